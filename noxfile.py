@@ -1,0 +1,176 @@
+"""The Gefen test matrix.
+
+``nox`` (no arguments) runs the default matrix that CI runs:
+
+* ``tests(package=...)``: one session per distribution found under ``packages/*/pyproject.toml``.
+  Every wheel is built once into ``dist/``; the session then installs ``torch==2.13.0`` first
+  (except for ``gefen-contracts``, which must work without torch) and the package from ``dist/``,
+  so siblings come from the fresh wheels and never from an index. It runs the package's unit tests
+  plus its ``smoke``-marked multi-rank subset.
+* ``tests_all(backend=...)``: every distribution installed together; every package's tests,
+  every multi-rank scenario and the root ``tests/`` integration suite. ``gloo`` always runs;
+  ``nccl`` is skipped with a message unless two CUDA devices and NCCL are present.
+* ``typecheck`` (mypy strict) and ``lint`` (ruff check, ruff format --check).
+
+``demo`` and ``bench`` run the comparison harness and are not part of the default run.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+DIST = ROOT / "dist"
+TORCH = "torch==2.13.0"
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+TOOLING = ("hatchling>=1.21",)
+
+nox.options.sessions = ["tests", "tests_all", "typecheck", "lint"]
+nox.options.default_venv_backend = "venv"  # pip venvs: torch comes from the local CPU wheel
+nox.options.error_on_missing_interpreters = True
+
+
+def _discover() -> dict[str, pathlib.Path]:
+    """Distribution name -> package folder, from ``packages/*/pyproject.toml`` in dependency order."""
+    order = ["contracts", "dist", "core", "muon", "hybrid"]
+    found = {path.parent.name: path.parent for path in ROOT.glob("packages/*/pyproject.toml")}
+
+    def rank(name: str) -> tuple[int, str]:
+        suffix = name.removeprefix("gefen-")
+        return (order.index(suffix) if suffix in order else len(order), name)
+
+    return {name: found[name] for name in sorted(found, key=rank)}
+
+
+PACKAGES = _discover()
+
+
+def _version(package_dir: pathlib.Path) -> str:
+    name = package_dir.name.removeprefix("gefen-")
+    text = (package_dir / "src" / "gefen" / name / "_version.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{package_dir}: no __version__ in _version.py")
+    return match.group(1)
+
+
+_wheels_built = False
+
+
+def _build_wheels(session: nox.Session) -> None:
+    """Build every distribution's wheel once per nox run into ``dist/``."""
+    global _wheels_built
+    if _wheels_built:
+        return
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    session.install(*TOOLING)
+    for package_dir in PACKAGES.values():
+        session.run(
+            "python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+            "--wheel-dir", str(DIST), str(package_dir), silent=True,
+        )
+    _wheels_built = True
+
+
+def _install_from_dist(session: nox.Session, names: list[str], *, torch: bool) -> None:
+    _build_wheels(session)
+    if torch:
+        session.install(TORCH)
+    pinned = [f"{name}=={_version(PACKAGES[name])}" for name in names]
+    session.install("--find-links", str(DIST), *pinned, *TEST_TOOLS)
+
+
+def _needs_torch(name: str) -> bool:
+    return name != "gefen-contracts"
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """One distribution alone: its unit tests plus its multi-rank smoke subset."""
+    _install_from_dist(session, [package], torch=_needs_torch(package))
+    session.run(
+        "python", "-m", "pytest", str(PACKAGES[package] / "tests"),
+        "-m", "not multirank or smoke", *session.posargs,
+        env={"GEFEN_TEST_BACKEND": "gloo"},
+    )
+
+
+def _nccl_usable(session: nox.Session) -> bool:
+    probe = (
+        "import torch, torch.distributed as d; "
+        "print(int(torch.cuda.device_count() >= 2 and d.is_available() and d.is_nccl_available()))"
+    )
+    out = session.run("python", "-c", probe, silent=True)
+    return isinstance(out, str) and out.strip().endswith("1")
+
+
+@nox.session
+@nox.parametrize("backend", ["gloo", "nccl"])
+def tests_all(session: nox.Session, backend: str) -> None:
+    """Every distribution together with every multi-rank suite, on one distributed backend."""
+    _install_from_dist(session, list(PACKAGES), torch=True)
+    if backend == "nccl" and not _nccl_usable(session):
+        session.skip("nccl: needs torch.distributed with NCCL and at least 2 CUDA devices")
+    paths = [str(path / "tests") for path in PACKAGES.values()] + [str(ROOT / "tests")]
+    session.run(
+        "python", "-m", "pytest", *paths, *session.posargs,
+        env={"GEFEN_TEST_BACKEND": backend},
+    )
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package's src/ (torch installed for its stubs)."""
+    session.install(TORCH, "mypy>=1.10", "pytest>=8", "numpy")
+    modules = [f"gefen.{path.name.removeprefix('gefen-')}" for path in PACKAGES.values()]
+    args = [arg for module in modules for arg in ("-p", module)]
+    session.run("python", "-m", "mypy", *args)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+def _harness_install(session: nox.Session, *extra: str) -> None:
+    _build_wheels(session)
+    session.install(TORCH)
+    names = [f"{name}=={_version(PACKAGES[name])}" for name in PACKAGES]
+    session.install("--find-links", str(DIST), *names, "tqdm", "matplotlib", *extra)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's first command: the default comparison run."""
+    _harness_install(session)
+    session.run("python", "benchmarks/compare.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The longer comparison, with the 8-bit peers installed when the index offers them."""
+    _harness_install(session)
+    for peer in ("bitsandbytes", "torchao"):
+        try:
+            session.install(peer)
+        except Exception:  # a missing peer is reported by the harness, not fatal here
+            session.warn(f"{peer} could not be installed; the harness will skip it")
+    session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs)
+    session.run("python", "benchmarks/micro.py", *session.posargs)
+
+
+@nox.session
+def dev(session: nox.Session) -> None:
+    """Development venv at .venv: every package editable plus the tools."""
+    session.install(TORCH)
+    session.install(*(f"-e{path}" for path in PACKAGES.values()))
+    session.install("nox", "mypy>=1.10", "ruff>=0.6", *TEST_TOOLS, "tqdm", "matplotlib")
