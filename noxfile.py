@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shutil
@@ -32,10 +33,12 @@ TOOLING = ("hatchling>=1.21",)
 nox.options.sessions = ["tests", "tests_all", "typecheck", "lint"]
 nox.options.default_venv_backend = "venv"  # pip venvs: torch comes from the local CPU wheel
 nox.options.error_on_missing_interpreters = True
+# torch ships thousands of modules; byte-compiling them at install time costs minutes per venv.
+os.environ.setdefault("PIP_NO_COMPILE", "1")
 
 
 def _discover() -> dict[str, pathlib.Path]:
-    """Distribution name -> package folder, from ``packages/*/pyproject.toml`` in dependency order."""
+    """Distribution name -> folder, from ``packages/*/pyproject.toml``, in dependency order."""
     order = ["contracts", "dist", "core", "muon", "hybrid"]
     found = {path.parent.name: path.parent for path in ROOT.glob("packages/*/pyproject.toml")}
 
@@ -71,8 +74,16 @@ def _build_wheels(session: nox.Session) -> None:
     session.install(*TOOLING)
     for package_dir in PACKAGES.values():
         session.run(
-            "python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-            "--wheel-dir", str(DIST), str(package_dir), silent=True,
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(DIST),
+            str(package_dir),
+            silent=True,
         )
     _wheels_built = True
 
@@ -95,8 +106,13 @@ def tests(session: nox.Session, package: str) -> None:
     """One distribution alone: its unit tests plus its multi-rank smoke subset."""
     _install_from_dist(session, [package], torch=_needs_torch(package))
     session.run(
-        "python", "-m", "pytest", str(PACKAGES[package] / "tests"),
-        "-m", "not multirank or smoke", *session.posargs,
+        "python",
+        "-m",
+        "pytest",
+        str(PACKAGES[package] / "tests"),
+        "-m",
+        "not multirank or smoke",
+        *session.posargs,
         env={"GEFEN_TEST_BACKEND": "gloo"},
     )
 
@@ -119,7 +135,11 @@ def tests_all(session: nox.Session, backend: str) -> None:
         session.skip("nccl: needs torch.distributed with NCCL and at least 2 CUDA devices")
     paths = [str(path / "tests") for path in PACKAGES.values()] + [str(ROOT / "tests")]
     session.run(
-        "python", "-m", "pytest", *paths, *session.posargs,
+        "python",
+        "-m",
+        "pytest",
+        *paths,
+        *session.posargs,
         env={"GEFEN_TEST_BACKEND": backend},
     )
 
@@ -170,7 +190,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def dev(session: nox.Session) -> None:
-    """Development venv at .venv: every package editable plus the tools."""
+    """Development venv (.nox/dev): every package editable plus the tools."""
     session.install(TORCH)
     session.install(*(f"-e{path}" for path in PACKAGES.values()))
     session.install("nox", "mypy>=1.10", "ruff>=0.6", *TEST_TOOLS, "tqdm", "matplotlib")
