@@ -4,7 +4,7 @@ Every type is an immutable value with exact-type validation and a JSON-compatibl
 that round-trips. The conformance helpers live in ``gefen.contracts.conformance``.
 """
 
-from gefen.contracts._version import __version__
+from gefen.contracts._version import __version__ as __version__
 from gefen.contracts.capabilities import (
     CheckpointSupport,
     OptimizerCapabilities,

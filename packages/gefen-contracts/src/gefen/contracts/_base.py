@@ -151,12 +151,12 @@ class NestedKind(Kind):
         _expect(path, raw, dict, "a dict")
         candidates = self.types()
         if len(candidates) == 1:
-            return candidates[0].parse_at(path, raw)
+            return candidates[0]._parse_at(path, raw)
         assert isinstance(raw, dict)
         tag = raw.get("kind")
         for candidate in candidates:
             if type(tag) is str and tag == candidate.TAG:
-                return candidate.parse_at(path, raw)
+                return candidate._parse_at(path, raw)
         tags = ", ".join(repr(candidate.TAG) for candidate in candidates)
         raise form_error(f"{path}.kind", f"wrong kind tag, expected one of {tags}, got {show(tag)}")
 
@@ -259,6 +259,11 @@ def meta(spec: Kind) -> Mapping[str, Any]:
 _REGISTRY: dict[str, type[ContractValue]] = {}
 
 
+def value_types() -> tuple[type[ContractValue], ...]:
+    """Every contract value type of this package, in definition order."""
+    return tuple(_REGISTRY.values())
+
+
 class ContractValue:
     """Validation and primitive form shared by every contract dataclass.
 
@@ -271,7 +276,10 @@ class ContractValue:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _REGISTRY[cls.__name__] = cls
+        # Only this package's own types are nested by name; a user's subclass of the same name
+        # must not replace them (and is rejected by the exact-type checks anyway).
+        if cls.__module__.startswith("gefen.contracts.") and cls.__name__ not in _REGISTRY:
+            _REGISTRY[cls.__name__] = cls
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -292,7 +300,7 @@ class ContractValue:
         field = self.__dataclass_fields__.get("schema_version")
         if field is not None:
             field.metadata["kind"].check(
-                f"{type(self).__name__}.schema_version", getattr(self, "schema_version")
+                f"{type(self).__name__}.schema_version", getattr(self, field.name)
             )
 
     def _set(self, name: str, value: object) -> None:
@@ -309,10 +317,10 @@ class ContractValue:
     @classmethod
     def from_primitive(cls: type[V], obj: object) -> V:
         """Parse a primitive form; any malformation raises ``PrimitiveFormError``."""
-        return cls.parse_at(cls.__name__, obj)
+        return cls._parse_at(cls.__name__, obj)
 
     @classmethod
-    def parse_at(cls: type[V], path: str, raw: object) -> V:
+    def _parse_at(cls: type[V], path: str, raw: object) -> V:
         _expect(path, raw, dict, "a dict")
         assert isinstance(raw, dict)
         fields = dataclasses.fields(cls)

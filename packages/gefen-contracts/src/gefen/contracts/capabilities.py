@@ -99,7 +99,8 @@ class OptimizerCapabilities(ContractValue):
         )
     )
     checkpoints: tuple[CheckpointSupport, ...] = field(
-        default=(), metadata=meta(TupleKind(NestedKind("CheckpointSupport"), unique=True, what="entry"))
+        default=(),
+        metadata=meta(TupleKind(NestedKind("CheckpointSupport"), unique=True, what="entry")),
     )
     precisions: frozenset[Precision] = field(
         metadata=meta(FrozenSetKind(EnumKind(Precision), non_empty=True))
@@ -136,9 +137,7 @@ class OptimizerContract(ContractValue):
 
     implementation: str = field(metadata=_NAME)
     state_layout: OptimizerStateLayout = field(metadata=meta(NestedKind("OptimizerStateLayout")))
-    capabilities: OptimizerCapabilities = field(
-        metadata=meta(NestedKind("OptimizerCapabilities"))
-    )
+    capabilities: OptimizerCapabilities = field(metadata=meta(NestedKind("OptimizerCapabilities")))
     children: tuple[OptimizerChildContract, ...] = field(
         default=(), metadata=meta(TupleKind(NestedKind("OptimizerChildContract")))
     )

@@ -185,7 +185,9 @@ class LogicalRegion(ContractValue):
                 f"region rank {self.rank} must equal the rank {len(shape)} of {parameter.fqn!r}",
                 self,
             )
-        for axis, (offset, length, size) in enumerate(zip(self.offsets, self.lengths, shape)):
+        for axis, (offset, length, size) in enumerate(
+            zip(self.offsets, self.lengths, shape, strict=True)
+        ):
             if offset + length > size:
                 raise value_error(
                     location,
@@ -202,13 +204,13 @@ class LogicalRegion(ContractValue):
                 f"regions must have the same rank ({self.rank})",
                 other,
             )
-        offsets = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        offsets = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
         ends = (min(a + m, b + n) for a, m, b, n in self._axes(other))
-        lengths = tuple(max(0, end - start) for end, start in zip(ends, offsets))
+        lengths = tuple(max(0, end - start) for end, start in zip(ends, offsets, strict=True))
         return LogicalRegion(offsets, lengths)
 
     def _axes(self, other: LogicalRegion) -> zip[tuple[int, int, int, int]]:
-        return zip(self.offsets, self.lengths, other.offsets, other.lengths)
+        return zip(self.offsets, self.lengths, other.offsets, other.lengths, strict=True)
 
     def overlaps(self, other: LogicalRegion) -> bool:
         """True when the regions share an element; touching regions do not overlap."""
@@ -218,7 +220,7 @@ class LogicalRegion(ContractValue):
     def validate_exact_coverage(
         parameter: ParameterIdentity, regions: Sequence[LogicalRegion]
     ) -> None:
-        """Raise unless ``regions`` tile ``parameter`` exactly, in any order (empty ones allowed)."""
+        """Raise unless ``regions`` tile ``parameter`` exactly, in any order (empties allowed)."""
         location = "LogicalRegion.validate_exact_coverage.regions"
         check_exact("LogicalRegion.validate_exact_coverage.parameter", parameter, ParameterIdentity)
         checked = TupleKind(NestedKind("LogicalRegion")).check(location, regions)

@@ -88,9 +88,11 @@ def _check_parameter(entries: _Entries) -> None:
         for index, shard in entries:
             if shard.owner != first.owner:
                 raise _error(index, f"every shard of {shard.parameter.fqn!r} names one owner")
-    elif first.layout is ParameterLayout.DTENSOR_1D_DEFAULT_WORLD:
-        if first.placements[0].kind is PlacementKind.DIMENSION_SHARD:
-            _check_dimension_tiling(entries)
+    elif (
+        first.layout is ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
+        and first.placements[0].kind is PlacementKind.DIMENSION_SHARD
+    ):
+        _check_dimension_tiling(entries)
 
 
 def _check_uniform(entries: _Entries) -> None:
@@ -112,8 +114,10 @@ def _check_members(entries: _Entries) -> None:
     held: set[str | None] = set()
     for index, shard in entries:
         if shard.local_member in held:
-            rule = f"member {shard.local_member!r} holds more than one shard of {shard.parameter.fqn!r}"
-            raise _error(index, rule)
+            fqn = shard.parameter.fqn
+            raise _error(
+                index, f"member {shard.local_member!r} holds more than one shard of {fqn!r}"
+            )
         held.add(shard.local_member)
     for member in group.ordered_members:
         if member not in held:
@@ -139,7 +143,9 @@ def _coordinate(shard: ShardIdentity) -> int:
 
 
 def _check_flat_tiling(entries: _Entries) -> None:
-    ordered = sorted(entries, key=lambda entry: (_slice(entry[1]).flat_offset, _coordinate(entry[1])))
+    ordered = sorted(
+        entries, key=lambda entry: (_slice(entry[1]).flat_offset, _coordinate(entry[1]))
+    )
     parameter = ordered[0][1].parameter
     cursor, boundaries, last = 0, {0}, ordered[0][0]
     for index, shard in ordered:

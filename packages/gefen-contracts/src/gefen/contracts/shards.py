@@ -31,7 +31,7 @@ _OPTIONAL_NAME = meta(OptionalKind(NameKind()))
 
 def _row_major_offset(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
     linear = 0
-    for offset, size in zip(offsets, shape):
+    for offset, size in zip(offsets, shape, strict=True):
         linear = linear * size + offset
     return linear
 
@@ -229,8 +229,10 @@ class ShardIdentity(ContractValue):
             length = extent.numel
         group = self.process_group
         name = "" if group is None else group.semantic_name
-        member = -1 if group is None or self.local_member is None else group.coordinate(
-            self.local_member
+        member = (
+            -1
+            if group is None or self.local_member is None
+            else group.coordinate(self.local_member)
         )
         owner = -1 if group is None or self.owner is None else group.coordinate(self.owner)
         placements = tuple(placement.sort_key for placement in self.placements)
