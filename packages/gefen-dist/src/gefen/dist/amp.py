@@ -100,9 +100,11 @@ def parse_amp_controls(optimizer: object) -> AmpControls:
 
 def _unscale_gradients(optimizer: Any, scale: float) -> None:
     """Multiply every gradient in place by GradScaler's reciprocal, once per (device, dtype)."""
-    # GradScaler computes the reciprocal in float64 and rounds it to float32; the same value
-    # keeps a scaled step bit-identical to one that never saw a scale.
-    inverse = torch.tensor(1.0 / scale, dtype=torch.float64).float().item()
+    # GradScaler computes the reciprocal in float64 and rounds it to float32, then multiplies
+    # in the gradient's compute precision. A float32 tensor operand reproduces that for half
+    # gradients too (a Python scalar would first be rounded to the gradient's dtype), and keeps
+    # a power-of-two scaled step bit-identical to one that never saw a scale.
+    inverse = torch.tensor(1.0 / scale, dtype=torch.float64).float()
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -112,8 +114,8 @@ def _unscale_gradients(optimizer: Any, scale: float) -> None:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             buckets.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
-        for grads in buckets.values():
-            torch._foreach_mul_(grads, inverse)
+        for (device, _), grads in buckets.items():
+            torch._foreach_mul_(grads, inverse.to(device))
 
 
 @collective
@@ -157,7 +159,9 @@ def _decide(owner_name: str, low: list[float], high: list[float]) -> bool | None
     if high[present] == 0.0:
         return True
     if low[overflow] != high[overflow]:
-        raise _disagreement(owner_name, "found_inf", f"use a group-aware gradient scaler ({_RECIPE})")
+        raise _disagreement(
+            owner_name, "found_inf", f"use a group-aware gradient scaler ({_RECIPE})"
+        )
     if low[scale_present] != high[scale_present]:
         raise _disagreement(owner_name, "grad_scale presence", "use a group-aware gradient scaler")
     if low[scale_present] == 1.0 and low[scale] != high[scale]:

@@ -61,9 +61,7 @@ def backend_name(group: ProcessGroup | None) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-def choose_collective_device(
-    group: ProcessGroup, hint: torch.device | None = None
-) -> torch.device:
+def choose_collective_device(group: ProcessGroup, hint: torch.device | None = None) -> torch.device:
     """Pick where a group's control tensors live on paths without a binding.
 
     Order: the hint when the backend carries it; the group's bound device; the current CUDA

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from gefen.contracts import ProcessGroupIdentity
 
+from gefen.contracts import ProcessGroupIdentity
 from gefen.dist.backends import backend_allows, backend_name
 from gefen.dist.errors import BindingError
 from gefen.dist.runtime import distributed_ready
@@ -108,8 +108,9 @@ class ProcessGroupBinding:
             raise TypeError(f"local_member must be a str, got {type(local_member).__name__}")
         if local_member not in identity.ordered_members:
             raise BindingError(
-                f"local_member {local_member!r} must belong to the ordered members of "
-                f"{identity.semantic_name!r}: {identity.ordered_members!r:.200}"
+                f"local_member must belong to the ordered members of "
+                f"{identity.semantic_name!r} {identity.ordered_members!r:.200}, got "
+                f"{local_member!r}"
             )
         device = _normalised_device(collective_device)
         _check_handle(identity, process_group)

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+
 from gefen.contracts import (
     ParameterLayout,
     ProcessGroupIdentity,
@@ -19,7 +20,6 @@ from gefen.contracts import (
     ShardingManifest,
     fingerprint,
 )
-
 from gefen.dist.binding import CodebookProcessGroupBinding
 from gefen.dist.errors import BindingError, GroupAgreementError
 from gefen.dist.guarded import HEADER_PAYLOAD_WORDS
@@ -192,6 +192,7 @@ def validate_scope_installation(
                 f"{shard.local_member!r}, not to the binding's local_member "
                 f"{binding.local_member!r}"
             )
+    for shard in shards:
         if shard.layout not in _SCOPED_LAYOUTS:
             raise BindingError(
                 f"codebook scope {name!r}: local shard {shard.parameter.fqn!r} has layout "
@@ -208,9 +209,7 @@ def _agreement_error(owner_name: str, message: str, what: str) -> GroupAgreement
     return GroupAgreementError(f"{owner_name} {message}", owner_name=owner_name, what=what)
 
 
-def _check_one_parameter(
-    owner_name: str, fqn: str, rows: list[tuple[int, ...]]
-) -> None:
+def _check_one_parameter(owner_name: str, fqn: str, rows: list[tuple[int, ...]]) -> None:
     """Apply the §9.6 rule of one parameter to its records, one row per member."""
     if len({row[0] for row in rows}) > 1:
         raise _agreement_error(

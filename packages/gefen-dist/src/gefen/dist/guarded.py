@@ -158,8 +158,7 @@ class GuardedOperation:
     def _binding_channel(self, method: str) -> Channel | None:
         if self._binding_getter is None:
             raise RuntimeError(
-                f"GuardedOperation.{method} needs the binding form; the mesh form offers only "
-                "local"
+                f"GuardedOperation.{method} needs the binding form; the mesh form offers only local"
             )
         return None if self.binding is None else self.binding.channel
 
@@ -169,7 +168,10 @@ class GuardedOperation:
         words = _int64_words(list(payload), "payload")
         (op,) = _int64_words([op_code], "op_code")
         labels = tuple(names)
-        if len(words) > HEADER_PAYLOAD_WORDS or not len(words) <= len(labels) <= HEADER_PAYLOAD_WORDS:
+        if (
+            len(words) > HEADER_PAYLOAD_WORDS
+            or not len(words) <= len(labels) <= HEADER_PAYLOAD_WORDS
+        ):
             raise ValueError(
                 f"a header carries at most {HEADER_PAYLOAD_WORDS} payload words and one label "
                 f"per word; got {len(words)} words and {len(labels)} labels"

@@ -24,7 +24,7 @@ def collective(fn: F) -> F:
     vote (the graph would bake in one rank's branch), so every collective-issuing function of the
     project goes through this one decorator. The ``cast`` keeps the signature for mypy.
     """
-    return cast(F, torch.compiler.disable(torch.no_grad()(fn)))
+    return cast(F, torch.compiler.disable(torch.no_grad()(fn)))  # type: ignore[no-untyped-call]
 
 
 def distributed_ready() -> bool:
@@ -41,9 +41,7 @@ def _is_cuda(item: object) -> bool:
         return item.type == "cuda"
     if isinstance(item, str):
         return torch.device(item).type == "cuda"
-    raise TypeError(
-        f"cuda_graph_capturing expects tensors or devices, got {type(item).__name__}"
-    )
+    raise TypeError(f"cuda_graph_capturing expects tensors or devices, got {type(item).__name__}")
 
 
 def cuda_graph_capturing(tensors_or_devices: Iterable[object]) -> bool:
@@ -52,7 +50,7 @@ def cuda_graph_capturing(tensors_or_devices: Iterable[object]) -> bool:
     CPU-only builds raise on the raw capture query, and CPU meshes must never touch CUDA, so
     the device types are inspected first and CUDA is consulted only for a CUDA tensor or device.
     """
-    if not any([_is_cuda(item) for item in tensors_or_devices]):
+    if not any(_is_cuda(item) for item in tensors_or_devices):
         return False
     if not torch.cuda.is_available():
         return False

@@ -82,7 +82,7 @@ def collect_failure_scope(param_groups: Iterable[Mapping[str, Any]]) -> tuple[Ch
     if cuda_graph_capturing(local_shards):
         return ()
     first_seen: dict[MeshKey, tuple[DeviceMesh, torch.device]] = {}
-    for param, shard in zip(candidates, local_shards):
+    for param, shard in zip(candidates, local_shards, strict=True):
         first_seen.setdefault(mesh_key(param.device_mesh), (param.device_mesh, shard.device))
     return tuple(_mesh_channels(first_seen))
 

@@ -93,4 +93,3 @@ def synchronize_step_error(
         # The failing member is not known here; only that some member of the chain failed.
         rank=None,
     )
-

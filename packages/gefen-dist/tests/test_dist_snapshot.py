@@ -1,0 +1,177 @@
+"""The deep snapshot detects every mutation a failed operation could leave behind
+(50-dist.md §11.2); the DTensor/no-collective case runs in test_dist_world2_transport."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from gefen.dist.testing import Snapshot, assert_unchanged, deep_snapshot, snapshot_diff
+from gefen.dist.testing import snapshot as snapshot_module
+
+ATTRIBUTES = ("codebook", "global_step", "cache")
+
+
+class _Toy(torch.optim.Optimizer):
+    """A stand-in optimizer carrying what Gefen's snapshots look at."""
+
+    def __init__(self) -> None:
+        weight = torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+        bias = torch.nn.Parameter(torch.zeros(3))
+        super().__init__([{"params": [weight], "lr": 0.1}, {"params": [bias], "lr": 0.01}], {})
+        weight.grad = torch.ones_like(weight)
+        self.state[weight] = {"momentum_codes": torch.zeros(4, dtype=torch.uint8), "period": 3}
+        self.state[bias] = {"momentum_scale": torch.tensor([float("nan"), 1.0])}
+        self.codebook = torch.linspace(-1, 1, 8)
+        self.global_step = 5
+        self.cache = {torch.device("cpu"): self.codebook.clone()}
+
+    def step(self, closure: Any = None) -> None:
+        raise NotImplementedError
+
+
+def _snapshot(optimizer: Any) -> Snapshot:
+    return deep_snapshot(optimizer, attributes=ATTRIBUTES)
+
+
+def _changed(mutate: Callable[[_Toy], None]) -> list[str]:
+    optimizer = _Toy()
+    before = _snapshot(optimizer)
+    mutate(optimizer)
+    return snapshot_diff(before, _snapshot(optimizer))
+
+
+def test_an_untouched_optimizer_is_unchanged_nan_included() -> None:
+    optimizer = _Toy()
+    before = _snapshot(optimizer)
+    assert snapshot_diff(before, _snapshot(optimizer)) == []
+    assert_unchanged(before, _snapshot(optimizer))
+
+
+def _flip_one_bit(optimizer: _Toy) -> None:
+    weight = optimizer.param_groups[0]["params"][0]
+    with torch.no_grad():
+        weight.view(-1).view(torch.int32)[5] ^= 1
+
+
+def _replace_state_dict(optimizer: _Toy) -> None:
+    weight = optimizer.param_groups[0]["params"][0]
+    optimizer.state[weight] = dict(optimizer.state[weight])
+
+
+def _add_state_key(optimizer: _Toy) -> None:
+    optimizer.state[optimizer.param_groups[0]["params"][0]]["v_step"] = 1
+
+
+def _clear_gradient(optimizer: _Toy) -> None:
+    optimizer.param_groups[0]["params"][0].grad = None
+
+
+def _replace_codebook(optimizer: _Toy) -> None:
+    optimizer.codebook = optimizer.codebook.clone()
+
+
+def _count_a_step(optimizer: _Toy) -> None:
+    optimizer.global_step += 1
+
+
+def _clear_cache(optimizer: _Toy) -> None:
+    optimizer.cache.clear()
+
+
+def _change_group_option(optimizer: _Toy) -> None:
+    optimizer.param_groups[1]["lr"] = 0.02
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (_flip_one_bit, "param_groups[0]['params'][0]: values differ"),
+        (_clear_gradient, "param_groups[0]['params'][0].grad: identity differs"),
+        (_add_state_key, "state[0][0]['v_step']: added"),
+        (_replace_state_dict, "state[0][0]: identity differs"),
+        (_replace_codebook, "codebook: identity differs"),
+        (_count_a_step, "global_step: values differ"),
+        (_clear_cache, "cache: values differ"),
+        (_change_group_option, "param_groups[1]['lr']: values differ"),
+    ],
+)
+def test_detects(mutate: Callable[[_Toy], None], expected: str) -> None:
+    assert expected in _changed(mutate)
+
+
+def test_detects_a_removed_cache_entry_with_equal_retained_tensors() -> None:
+    optimizer = _Toy()
+    optimizer.cache[torch.device("meta")] = optimizer.codebook.clone()
+    before = _snapshot(optimizer)
+    del optimizer.cache[torch.device("meta")]
+    differences = snapshot_diff(before, _snapshot(optimizer))
+    assert "cache: values differ" in differences
+    assert "cache[device(type='meta')]: removed" in differences
+    assert not any(line.startswith("cache[device(type='cpu')]") for line in differences)
+
+
+def test_detects_a_replaced_cache_value_with_equal_content() -> None:
+    optimizer = _Toy()
+    before = _snapshot(optimizer)
+    optimizer.cache[torch.device("cpu")] = optimizer.cache[torch.device("cpu")].clone()
+    assert snapshot_diff(before, _snapshot(optimizer)) == [
+        "cache[device(type='cpu')]: identity differs"
+    ]
+
+
+def test_a_replacement_reusing_a_freed_address_is_still_detected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    optimizer = _Toy()
+    before = _snapshot(optimizer)
+    original = weakref.ref(optimizer.codebook)
+    optimizer.codebook = optimizer.codebook.clone()
+    gc.collect()
+    # The snapshot holds the original alive, so no new object can take its address...
+    assert original() is not None
+    # ...and identity is compared with ``is``: an ``id`` that always collides changes nothing.
+    monkeypatch.setattr(snapshot_module, "id", lambda obj: 0, raising=False)
+    assert "codebook: identity differs" in snapshot_diff(before, _snapshot(optimizer))
+
+
+def test_attributes_absent_and_children() -> None:
+    parent = _Toy()
+    parent.child = _Toy()  # type: ignore[attr-defined]
+    parent.missing = None  # type: ignore[attr-defined]
+    children = {"child": ("global_step",), "missing": ()}
+    before = deep_snapshot(parent, attributes=("not_there",), children=children)
+    assert "not_there" in before.paths
+    assert "missing" in before.paths
+    parent.child.global_step = 6  # type: ignore[attr-defined]
+    after = deep_snapshot(parent, attributes=("not_there",), children=children)
+    assert snapshot_diff(before, after) == ["child.global_step: values differ"]
+    parent.missing = _Toy()  # type: ignore[attr-defined]
+    appeared = deep_snapshot(parent, attributes=("not_there",), children=children)
+    assert "missing: identity differs" in snapshot_diff(after, appeared)
+
+
+def test_snapshot_never_calls_state_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    optimizer = _Toy()
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("state_dict must not be called")
+
+    monkeypatch.setattr(optimizer, "state_dict", forbidden)
+    deep_snapshot(optimizer, attributes=ATTRIBUTES)
+
+
+def test_assert_unchanged_lists_every_difference() -> None:
+    optimizer = _Toy()
+    before = _snapshot(optimizer)
+    _count_a_step(optimizer)
+    _clear_gradient(optimizer)
+    with pytest.raises(AssertionError) as caught:
+        assert_unchanged(before, _snapshot(optimizer))
+    assert "global_step: values differ" in str(caught.value)
+    assert "param_groups[0]['params'][0].grad" in str(caught.value)
