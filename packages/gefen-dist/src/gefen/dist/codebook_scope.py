@@ -9,6 +9,7 @@ records.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -102,8 +103,9 @@ def manifest_fingerprint_of(manifest: ShardingManifest) -> bytes:
 def codebook_fingerprint_of(codebook: torch.Tensor) -> bytes:
     """SHA-256 of the codebook's little-endian float32 bytes (header words 17–20)."""
     values = codebook.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
-    # "<f4" pins little-endian bytes whatever the host order is.
-    return hashlib.sha256(values.numpy().astype("<f4", copy=False).tobytes()).digest()
+    # "<f" pins little-endian bytes whatever the host order is; struct keeps gefen-dist numpy-free.
+    little_endian = struct.pack(f"<{values.numel()}f", *values.tolist())
+    return hashlib.sha256(little_endian).digest()
 
 
 # -- header payload ------------------------------------------------------------------------------

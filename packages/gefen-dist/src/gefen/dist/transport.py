@@ -9,6 +9,7 @@ protocol or by an earlier header; local failures are voted before the next colle
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -110,7 +111,9 @@ def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(tensor.cpu().numpy().tobytes())
+    # ctypes instead of numpy: torch does not require numpy, and gefen-dist must not either.
+    flat = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+    return ctypes.string_at(flat.data_ptr(), flat.numel()) if flat.numel() else b""
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
