@@ -130,9 +130,12 @@ def _nccl_usable(session: nox.Session) -> bool:
 @nox.parametrize("backend", ["gloo", "nccl"])
 def tests_all(session: nox.Session, backend: str) -> None:
     """Every distribution together with every multi-rank suite, on one distributed backend."""
+    if backend == "nccl":
+        # Probe inside this venv with its own torch before installing anything else.
+        session.install(TORCH)
+        if not _nccl_usable(session):
+            session.skip("nccl: needs torch.distributed with NCCL and at least 2 CUDA devices")
     _install_from_dist(session, list(PACKAGES), torch=True)
-    if backend == "nccl" and not _nccl_usable(session):
-        session.skip("nccl: needs torch.distributed with NCCL and at least 2 CUDA devices")
     paths = [str(path / "tests") for path in PACKAGES.values()] + [str(ROOT / "tests")]
     session.run(
         "python",

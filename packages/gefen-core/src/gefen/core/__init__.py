@@ -1,5 +1,12 @@
-"""gefen.core: skeleton; the capability lands with its own issue."""
+"""gefen.core: ``Gefen``, an AdamW replacement with about 1 byte of state per parameter.
+
+The public API for sibling packages lives at the import paths of 10-core.md §1.1
+(``gefen.core.shell``, ``gefen.core.state``, ``gefen.core.codec``, ``gefen.core.kernels``,
+``gefen.core.validation``).
+"""
 
 from gefen.core._version import __version__
+from gefen.core.optimizer import Gefen
+from gefen.core.validation import NonFiniteGradientError
 
-__all__ = ["__version__"]
+__all__ = ["Gefen", "NonFiniteGradientError", "__version__"]

@@ -8,6 +8,7 @@ keeps the per-block overhead under one byte per eight elements.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -64,11 +65,11 @@ def decide_period(errors: Sequence[tuple[int, float]]) -> int:
     if len(errors) == 0:
         raise ValueError("decide_period needs at least one (p, err) pair")
     periods = [p for p, _ in errors]
-    if any(later <= earlier for earlier, later in zip(periods, periods[1:])):
+    if any(later <= earlier for earlier, later in itertools.pairwise(periods)):
         raise ValueError(f"decide_period needs strictly ascending periods, got {periods}")
     best_weight = _FIRST_CANDIDATE_WEIGHT
     best_period = errors[0][0]
-    for (_, previous_err), (period, err) in zip(errors, errors[1:]):
+    for (_, previous_err), (period, err) in itertools.pairwise(errors):
         weight = float(err) - float(previous_err)
         if (weight, period) < (best_weight, best_period):
             best_weight, best_period = weight, period

@@ -1,0 +1,379 @@
+"""The checkpoint transaction of the shell (10-core.md §8.1–§8.3).
+
+``build_state_dict`` emits torch's layout plus the ``"gefen"`` extras, mirrored into every
+group. ``prepare_load`` copies the caller's containers, runs the load pre-hooks on the copy,
+validates everything and stages the complete new state on shadow objects; ``PreparedLoad``
+publishes it without any step that can throw. Every rejection is a ValueError
+``"{OWNER_NAME} checkpoint: <rule>"``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gefen.core.state import is_initialized, validate_codebook
+from gefen.dist import (
+    GuardedOperation,
+    check_rank_local_header,
+    check_rank_local_records,
+    rank_local_header,
+)
+
+if TYPE_CHECKING:
+    from gefen.core.shell import OptimizerShell
+
+__all__ = ["EXTRAS_KEY", "FORMAT_VERSION", "PreparedLoad", "build_state_dict", "prepare_load"]
+
+EXTRAS_KEY = "gefen"
+FORMAT_VERSION = 1
+BASE_EXTRAS = (
+    "format_version",
+    "global_step",
+    "codebook",
+    "deterministic",
+    "momentum_codec",
+    "initialized_params",
+)
+# Group options the live optimizer always keeps, whatever the checkpoint says (§8.3).
+LIVE_OPTIONS = ("fused", "check_finite", "codebook_refresh_every", "stochastic_round")
+
+
+def _reject(owner: str, rule: str) -> ValueError:
+    """A load rejection in the shared loader's one format."""
+    return ValueError(f"{owner} checkpoint: {rule}")
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+
+def live_extras(optimizer: OptimizerShell) -> dict[str, Any]:
+    """A fresh extras dict (§8.1): never a live object (the codebook is cloned)."""
+    codebook = optimizer.codebook
+    initialized = [
+        index for index, _, param in optimizer._indexed() if is_initialized(optimizer.state[param])
+    ]
+    extras: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "global_step": optimizer.global_step,
+        "codebook": None if codebook is None else codebook.detach().clone(),
+        "deterministic": optimizer.defaults["deterministic"],
+        "momentum_codec": optimizer.defaults["momentum_codec"],
+        "initialized_params": initialized,
+    }
+    scope = optimizer.step_failure_scope()
+    if "rank_local" in optimizer.OPTIONAL_EXTRAS and len(scope) > 0:
+        extras["rank_local"] = rank_local_header(scope)
+    return extras
+
+
+def build_state_dict(
+    optimizer: OptimizerShell, entries: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    """torch's layout with ``params`` as flat indices, plus the extras everywhere."""
+    groups = []
+    start = 0
+    for group in optimizer.param_groups:
+        packed = {key: value for key, value in group.items() if key != "params"}
+        packed["params"] = list(range(start, start + len(group["params"])))
+        packed[EXTRAS_KEY] = live_extras(optimizer)
+        start += len(group["params"])
+        groups.append(packed)
+    return {"state": entries, "param_groups": groups, EXTRAS_KEY: live_extras(optimizer)}
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+def _copy_containers(value: Any) -> Any:
+    """Copy every dict, list and tuple (never the tensors) so nothing of the caller's changes."""
+    if isinstance(value, dict):
+        return {key: _copy_containers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_containers(item) for item in value)
+    return value
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+@dataclass(eq=False)
+class PreparedLoad:
+    """A validated, staged load. ``commit()`` cannot fail; ``run_post_hooks()`` runs once."""
+
+    optimizer: OptimizerShell
+    state: defaultdict[Tensor, Any]
+    param_groups: list[dict[str, Any]]
+    global_step: int
+    codebook: Tensor | None
+    rank_local: dict[str, Any] | None
+
+    def agree(self, operation: GuardedOperation) -> None:
+        """Symmetric checks on gathered data (the rank-local records, 50-dist.md §10.3)."""
+        if self.rank_local is not None and len(operation.scope) > 0:
+            check_rank_local_records(
+                self.rank_local,
+                self.global_step,
+                scope=operation.scope,
+                owner_name=self.optimizer.OWNER_NAME,
+            )
+
+    def commit(self) -> None:
+        """Publish by assignment only; clears the failed-commit latch."""
+        optimizer = self.optimizer
+        optimizer.state = self.state
+        optimizer.param_groups = self.param_groups
+        optimizer._global_step = self.global_step
+        optimizer._codebook = self.codebook
+        optimizer._commit_failed = False
+
+    def run_post_hooks(self) -> None:
+        for hook in self.optimizer._optimizer_load_state_dict_post_hooks.values():
+            hook(self.optimizer)
+
+
+class _Loader:
+    """One ``prepare_load`` call: the copied dict and the live optimizer it is checked against."""
+
+    def __init__(self, optimizer: OptimizerShell, sd: dict[str, Any]) -> None:
+        self.optimizer = optimizer
+        self.owner = optimizer.OWNER_NAME
+        self.sd = sd
+
+    def reject(self, rule: str) -> ValueError:
+        return _reject(self.owner, rule)
+
+    # structure
+
+    def structure(self) -> tuple[dict[Any, Any], list[dict[str, Any]], list[list[Any]]]:
+        sd = self.sd
+        if not isinstance(sd, dict):
+            raise self.reject(f"the state dict must be a dict, got {type(sd).__name__}")
+        state, groups = sd.get("state"), sd.get("param_groups")
+        if not isinstance(state, dict):
+            raise self.reject("'state' must be a dict")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise self.reject("'param_groups' must be a list of dicts")
+        live_groups = self.optimizer.param_groups
+        if len(groups) != len(live_groups):
+            raise self.reject(
+                f"the group count {len(groups)} differs from the live count {len(live_groups)}"
+            )
+        identifiers: list[list[Any]] = []
+        for index, (saved, live) in enumerate(zip(groups, live_groups, strict=True)):
+            params = saved.get("params")
+            if not isinstance(params, list) or len(params) != len(live["params"]):
+                raise self.reject(f"group {index} 'params' must list {len(live['params'])} ids")
+            identifiers.append(params)
+        flat = [ident for ids in identifiers for ident in ids]
+        if any(not isinstance(i, (int, str)) or isinstance(i, bool) for i in flat):
+            raise self.reject("parameter identifiers must be ints or FQN strings")
+        if len(set(flat)) != len(flat):
+            raise self.reject("parameter identifiers in 'params' must be unique")
+        unknown = [key for key in state if key not in set(flat)]
+        if unknown:
+            raise self.reject(f"'state' holds an entry for unknown parameter id {unknown[0]!r}")
+        return state, groups, identifiers
+
+    # extras
+
+    def extras(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
+        copies = [g[EXTRAS_KEY] for g in groups if EXTRAS_KEY in g]
+        if copies and len(copies) != len(groups):
+            raise self.reject("extras 'gefen' present in only some parameter groups")
+        if EXTRAS_KEY in self.sd:
+            copies.insert(0, self.sd[EXTRAS_KEY])
+        if not copies:
+            raise self.reject("extras 'gefen' missing (neither top-level nor in the groups)")
+        if any(not _equal(copies[0], other) for other in copies[1:]):
+            raise self.reject("extras copies differ between the top level and the groups")
+        extras = copies[0]
+        if not isinstance(extras, dict):
+            raise self.reject("extras 'gefen' must be a dict")
+        self.check_extras(extras)
+        return extras
+
+    def check_extras(self, extras: dict[str, Any]) -> None:
+        allowed = set(BASE_EXTRAS) | set(self.optimizer.OPTIONAL_EXTRAS)
+        for key in extras:
+            if key not in allowed:
+                raise self.reject(f"unknown extras key {key!r}")
+        for key in BASE_EXTRAS:
+            if key not in extras:
+                raise self.reject(f"extras key {key!r} is missing")
+        if type(extras["format_version"]) is not int or extras["format_version"] != FORMAT_VERSION:
+            raise self.reject(f"format_version must be {FORMAT_VERSION}")
+        step = extras["global_step"]
+        if type(step) is not int or step < 0:
+            raise self.reject(f"global_step must be an int >= 0, got {step!r}")
+        live = self.optimizer.defaults
+        if (
+            type(extras["deterministic"]) is not bool
+            or extras["deterministic"] != live["deterministic"]
+        ):
+            raise self.reject(
+                "deterministic differs from the live flag (changing it requires a fresh optimizer)"
+            )
+        if extras["momentum_codec"] != live["momentum_codec"]:
+            raise self.reject(
+                f"momentum_codec {extras['momentum_codec']!r} differs from the live "
+                f"{live['momentum_codec']!r}"
+            )
+        self.check_codebook(extras["codebook"])
+        self.check_topology(extras)
+        positions = extras["initialized_params"]
+        if not isinstance(positions, list) or any(type(p) is not int for p in positions):
+            raise self.reject("initialized_params must be a list of ints")
+
+    def check_codebook(self, codebook: object) -> None:
+        if codebook is None:
+            return
+        if self.optimizer.defaults["momentum_codec"] == "none":
+            raise self.reject("momentum_codec 'none' holds no codebook")
+        try:
+            validate_codebook(codebook)
+        except ValueError as error:
+            raise self.reject(f"invalid codebook: {error}") from None
+
+    def check_topology(self, extras: dict[str, Any]) -> None:
+        if "scope" in extras:
+            raise self.reject("codebook scope differs (the checkpoint has one, the optimizer none)")
+        scope = self.optimizer.step_failure_scope()
+        if "rank_local" not in extras and len(scope) == 0:
+            return
+        if "rank_local" not in extras:
+            raise self.reject("rank-local checkpoint topology differs: 'rank_local' is missing")
+        try:
+            check_rank_local_header(extras["rank_local"], scope)
+        except ValueError as error:
+            raise self.reject(str(error)) from None
+
+    # groups
+
+    def group(self, index: int, saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+        staged = {key: value for key, value in saved.items() if key not in ("params", EXTRAS_KEY)}
+        defaults = self.optimizer.defaults
+        for name, value in defaults.items():
+            staged.setdefault(name, value)
+        for name in (*LIVE_OPTIONS, "momentum_codec", "deterministic"):
+            if name in defaults:
+                staged[name] = defaults[name]
+        if isinstance(staged.get("betas"), list):
+            staged["betas"] = tuple(staged["betas"])
+        staged["params"] = list(live["params"])
+        self.names(index, staged, live)
+        try:
+            self.optimizer._validate_group(staged)
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise self.reject(f"group {index}: {error}") from None
+        return staged
+
+    def names(self, index: int, staged: dict[str, Any], live: dict[str, Any]) -> None:
+        if "param_names" not in staged:
+            if "param_names" in live:
+                staged["param_names"] = list(live["param_names"])
+            return
+        names = staged["param_names"]
+        if not isinstance(names, list) or len(names) != len(live["params"]):
+            raise self.reject(f"group {index}: param_names must be a list of the group's length")
+        if any(type(name) is not str for name in names):
+            raise self.reject(f"group {index}: param_names must hold str")
+        for saved_name, live_name in zip(names, live.get("param_names", names), strict=True):
+            if saved_name != live_name:
+                warnings.warn(
+                    f"{self.owner} load: parameter name {saved_name!r} replaces {live_name!r}",
+                    UserWarning,
+                    stacklevel=5,
+                )
+                break
+
+
+def _saved_entries(
+    loader: _Loader,
+    state: dict[Any, Any],
+    identifiers: list[list[Any]],
+    extras: dict[str, Any],
+) -> dict[int, Any]:
+    """Saved entries by flat position; a frozen parameter listed as initialized keeps its live
+    entry (DCP drops frozen parameters' state), with one warning."""
+    optimizer = loader.optimizer
+    flat = [ident for ids in identifiers for ident in ids]
+    saved = {position: state[ident] for position, ident in enumerate(flat) if ident in state}
+    indexed = optimizer._indexed()
+    for position in extras["initialized_params"]:
+        if not 0 <= position < len(flat):
+            raise loader.reject(f"initialized_params lists position {position} out of range")
+        entry = saved.get(position)
+        if entry is not None and (not isinstance(entry, Mapping) or "step" in entry):
+            continue  # initialized, or malformed and left to the entry validator
+        _, _, param = indexed[position]
+        if param.requires_grad or not is_initialized(optimizer.state[param]):
+            raise loader.reject(
+                f"initialized_params lists position {position} but its entry is not initialized"
+            )
+        warnings.warn(
+            f"{loader.owner} load: kept the live state of frozen parameter at position "
+            f"{position} (the checkpoint dropped it)",
+            UserWarning,
+            stacklevel=4,
+        )
+        saved[position] = optimizer.state[param]
+    return saved
+
+
+def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLoad:
+    """Copy, run the pre-hooks on the copy, validate, and stage (10-core.md §8.2 step 1)."""
+    copied = _copy_containers(sd)
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        replaced = hook(optimizer, copied)
+        if replaced is not None:
+            copied = replaced
+    loader = _Loader(optimizer, copied)
+    state, groups, identifiers = loader.structure()
+    extras = loader.extras(groups)
+    staged_groups = [
+        loader.group(index, saved, live)
+        for index, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True))
+    ]
+    saved = _saved_entries(loader, state, identifiers, extras)
+    entries = optimizer._stage_entries(saved, staged_groups, extras)
+    codebook = extras["codebook"]
+    needs_codebook = extras["global_step"] > 0 or any(e.get("period", 0) for e in entries.values())
+    if optimizer.defaults["momentum_codec"] == "codebook8" and codebook is None and needs_codebook:
+        raise loader.reject("codes but no codebook (global_step > 0 or a non-pristine entry)")
+    new_state: defaultdict[Tensor, Any] = defaultdict(dict)
+    flat_params = [param for group in staged_groups for param in group["params"]]
+    for position, param in enumerate(flat_params):
+        new_state[param] = entries[position]
+    device = flat_params[0].device if flat_params else torch.device("cpu")
+    if codebook is not None:
+        codebook = codebook.detach().to(device=device, copy=True)
+    return PreparedLoad(
+        optimizer,
+        new_state,
+        staged_groups,
+        extras["global_step"],
+        codebook,
+        extras.get("rank_local"),
+    )

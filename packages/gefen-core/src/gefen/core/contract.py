@@ -1,0 +1,157 @@
+"""``Gefen.optimizer_contract()`` (10-core.md §10): a pure read of the live options.
+
+The variants follow the state codec of ``gefen.core.state``: ``uninitialized`` holds only the
+period; the initialized variants are limited to the live codec and to the families the live
+groups can select, and the block variants are declared twice by extent (replicated tensors and
+DTensor local shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gefen.contracts import (
+    CheckpointSupport,
+    CheckpointTransport,
+    OptimizerCapabilities,
+    OptimizerContract,
+    OptimizerStateLayout,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    StateField,
+    StateGeometry,
+    StateScope,
+    StateVariant,
+    TrainingSupport,
+)
+
+if TYPE_CHECKING:
+    from gefen.core.shell import OptimizerShell
+
+__all__ = ["gefen_contract"]
+
+_REPLICATED = ParameterLayout.REPLICATED
+_SHARD = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
+
+
+def _parameter_field(name: str, geometry: StateGeometry, description: str) -> StateField:
+    return StateField(
+        name=name,
+        scope=StateScope.PARAMETER,
+        geometry=geometry,
+        checkpointed=True,
+        description=description,
+    )
+
+
+def _fields() -> tuple[StateField, ...]:
+    common = StateField(
+        name="gefen",
+        scope=StateScope.OPTIMIZER_COMMON,
+        geometry=StateGeometry.OPAQUE,
+        checkpointed=True,
+        description="the extras: format, global step, codebook, flags, initialized positions",
+    )
+    return (
+        common,
+        _parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
+        _parameter_field("step", StateGeometry.SCALAR, "momentum age"),
+        _parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
+        _parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
+        _parameter_field("momentum", StateGeometry.BLOCK, "fp32 momentum (B, P), codec none"),
+        _parameter_field("v_block", StateGeometry.BLOCK, "fp32 block second moment (B, 1)"),
+        _parameter_field("v_row", StateGeometry.ROW, "fp32 row second moment (R,)"),
+        _parameter_field("v_col", StateGeometry.COLUMN, "fp32 column second moment (C,)"),
+        _parameter_field("v_step", StateGeometry.SCALAR, "age of the second-moment family"),
+    )
+
+
+def _variants(codebook8: bool, factored: bool) -> tuple[StateVariant, ...]:
+    prefix = "q8" if codebook8 else "fp32"
+    momentum = ("momentum_codes", "momentum_scale") if codebook8 else ("momentum",)
+    block_fields = ("period", "step", *momentum, "v_block", "v_step")
+    variants = [
+        StateVariant(
+            name="uninitialized",
+            fields=("period",),
+            layouts=frozenset({_REPLICATED, _SHARD}),
+            extent=StateExtent.METADATA_ONLY,
+            initialized=False,
+        ),
+        StateVariant(
+            name=f"{prefix}_block",
+            fields=block_fields,
+            layouts=frozenset({_REPLICATED}),
+            extent=StateExtent.GLOBAL_PARAMETER,
+        ),
+        StateVariant(
+            name=f"{prefix}_block_local",
+            fields=block_fields,
+            layouts=frozenset({_SHARD}),
+            extent=StateExtent.LOCAL_STORAGE,
+        ),
+    ]
+    if factored:
+        variants.append(
+            StateVariant(
+                name=f"{prefix}_factored",
+                fields=("period", "step", *momentum, "v_row", "v_col", "v_step"),
+                layouts=frozenset({_REPLICATED}),
+                extent=StateExtent.GLOBAL_PARAMETER,
+                parameter_ranks=(2,),
+            )
+        )
+    return tuple(variants)
+
+
+def _checkpoints(collective: bool) -> tuple[CheckpointSupport, ...]:
+    return (
+        CheckpointSupport(
+            transport=CheckpointTransport.NATIVE_OPTIMIZER,
+            same_topology=frozenset({_REPLICATED, _SHARD}),
+            process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
+            if collective
+            else ProcessGroupScope.NONE,
+            requires_collective=collective,
+            atomic_load=True,
+        ),
+        CheckpointSupport(
+            transport=CheckpointTransport.PYTORCH_RANK_LOCAL,
+            same_topology=frozenset({_REPLICATED, _SHARD}),
+            process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
+            if collective
+            else ProcessGroupScope.NONE,
+            requires_collective=collective,
+            atomic_load=True,
+        ),
+    )
+
+
+def gefen_contract(
+    optimizer: OptimizerShell, groups: Sequence[Mapping[str, Any]], implementation: str
+) -> OptimizerContract:
+    """Build the contract from the live options and failure scope; reads only."""
+    codebook8 = optimizer.defaults["momentum_codec"] == "codebook8"
+    factored = any(bool(group.get("factored_v_2d")) for group in groups)
+    collective = len(optimizer.step_failure_scope()) > 0
+    capabilities = OptimizerCapabilities(
+        training=(
+            TrainingSupport(layout=_REPLICATED, process_group_scope=ProcessGroupScope.NONE),
+            TrainingSupport(
+                layout=_SHARD, process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
+            ),
+        ),
+        checkpoints=_checkpoints(collective),
+        precisions=frozenset(
+            {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
+        ),
+    )
+    layout = OptimizerStateLayout(
+        fields=_fields(), parameter_variants=_variants(codebook8, factored)
+    )
+    return OptimizerContract(
+        implementation=implementation, state_layout=layout, capabilities=capabilities
+    )

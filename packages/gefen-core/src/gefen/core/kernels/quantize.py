@@ -1,0 +1,118 @@
+"""Rounding values to codebook indices, 10-core.md §6.3.
+
+``nearest_index`` is deterministic with ties to the lower index. ``stochastic_index`` picks the
+upper of the two surrounding codewords with probability proportional to the distance from the
+lower one, so the decoded value is unbiased. Its uniform draws come from a counter-based
+splitmix-style hash of ``(global_step, param_index, element index)``: no RNG state exists, and a
+resumed run replays the same draws.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+__all__ = ["mix64", "nearest_index", "stochastic_index", "stream_seed", "uniform_draws"]
+
+_MASK64 = (1 << 64) - 1
+_MIX_MULTIPLIER_1 = 0xBF58476D1CE4E5B9
+_MIX_MULTIPLIER_2 = 0x94D049BB133111EB
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_DRAW_SHIFT = 40  # keep the top 24 bits: exactly representable in fp32
+_DRAW_SCALE = 2.0**-24
+# Draws are produced in slices so the uint64 temporaries of a huge tensor stay bounded.
+_DRAWS_PER_SLICE = 1 << 20
+
+
+def mix64(z: int) -> int:
+    """The §6.3 ``mix`` finaliser on one unsigned 64-bit integer."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_MULTIPLIER_1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_MULTIPLIER_2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _mix64_array(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """``mix64`` elementwise; numpy uint64 arithmetic wraps modulo 2⁶⁴ as the hash requires."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX_MULTIPLIER_1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX_MULTIPLIER_2)
+    mixed: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return mixed
+
+
+def stream_seed(seed: tuple[int, int]) -> int:
+    """``mix(mix(global_step) XOR param_index)`` for ``seed = (global_step, param_index)``."""
+    global_step, param_index = seed
+    for name, value in (("global_step", global_step), ("param_index", param_index)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK64:
+            raise ValueError(f"stochastic rounding seed: {name} must be an int >= 0, got {value!r}")
+    return mix64(mix64(global_step) ^ param_index)
+
+
+def uniform_draws(seed: tuple[int, int], numel: int) -> Tensor:
+    """The draws ``u_k`` for ``k = 0 .. numel-1``: fp32 on the CPU, each in ``[0, 1)``.
+
+    ``u_k = (mix(stream + 0x9E3779B97F4A7C15·(k+1)) >> 40) / 2²⁴`` with ``stream =
+    stream_seed(seed)``; draw ``k`` depends only on ``seed`` and ``k``.
+    """
+    stream = np.uint64(stream_seed(seed))
+    gamma = np.uint64(_GOLDEN_GAMMA)
+    draws = np.empty(numel, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        for first in range(0, numel, _DRAWS_PER_SLICE):
+            last = min(numel, first + _DRAWS_PER_SLICE)
+            counters = np.arange(first + 1, last + 1, dtype=np.uint64)
+            hashed = _mix64_array(stream + gamma * counters)
+            top_bits = (hashed >> np.uint64(_DRAW_SHIFT)).astype(np.float32)
+            draws[first:last] = top_bits * np.float32(_DRAW_SCALE)
+    return torch.from_numpy(draws)
+
+
+def _neighbours(codebook: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices (L, R) of the codewords around each value: ``i`` = number of entries ``< x``."""
+    last = codebook.numel() - 1
+    above = torch.searchsorted(codebook, values, side="left")
+    return (above - 1).clamp(0, last), above.clamp(0, last)
+
+
+def _check_codebook(codebook: Tensor) -> Tensor:
+    if codebook.dim() != 1 or not 1 <= codebook.numel() <= 256:
+        raise ValueError("codebook must be 1-D with at most 256 entries (uint8 indices)")
+    if codebook.dtype != torch.float32:
+        raise ValueError(f"codebook must be float32, got {codebook.dtype}")
+    return codebook.contiguous()
+
+
+def nearest_index(cb: Tensor, x: Tensor) -> Tensor:
+    """Index of the nearest codeword to each element of ``fp32(x)``: uint8, ``x``'s shape.
+
+    ``L`` is chosen over ``R`` iff ``|x - cb[L]| <= |x - cb[R]|`` in fp32, so a value halfway
+    between two codewords gets the lower index and a value equal to a codeword gets its index.
+    ``cb`` is a strictly increasing fp32 codebook on ``x``'s device; neither input is modified.
+    """
+    codebook = _check_codebook(cb)
+    values = x.detach().reshape(-1).to(torch.float32)
+    lower, upper = _neighbours(codebook, values)
+    keep_lower = (values - codebook[lower]).abs() <= (values - codebook[upper]).abs()
+    return torch.where(keep_lower, lower, upper).to(torch.uint8).reshape(x.shape)
+
+
+def stochastic_index(cb: Tensor, x: Tensor, *, seed: tuple[int, int]) -> Tensor:
+    """Unbiased random rounding of ``fp32(x)`` to one of its two surrounding codewords.
+
+    With ``L``/``R`` as in ``nearest_index``: ``L`` when ``L == R``, otherwise ``R`` iff
+    ``u_k < (x - cb[L]) / (cb[R] - cb[L])`` in fp32, where ``u_k`` is ``uniform_draws(seed, n)``
+    at ``x``'s flat logical index ``k``. ``seed = (global_step, param_index)``: the global step
+    before the committing step and the parameter's flat index across groups. uint8, ``x``'s shape.
+    """
+    codebook = _check_codebook(cb)
+    values = x.detach().reshape(-1).to(torch.float32)
+    lower, upper = _neighbours(codebook, values)
+    low_value = codebook[lower]
+    gap = codebook[upper] - low_value
+    draws = uniform_draws(seed, values.numel()).to(values.device)
+    # Where L == R the gap is 0 and the quotient is NaN or inf; those lanes must keep L.
+    round_up = (draws < (values - low_value) / gap) & (upper != lower)
+    return torch.where(round_up, upper, lower).to(torch.uint8).reshape(x.shape)

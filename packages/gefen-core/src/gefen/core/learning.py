@@ -1,0 +1,114 @@
+"""Codebook learning, period staging and the refresh transaction (10-core.md §4–§5).
+
+Everything here stages: it returns new periods, a new codebook and remapped codes, and writes
+nothing. The shell publishes the result in its commit phase, so a failure while staging leaves
+the optimizer exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from gefen.core.kernels import BIN_COUNT, histogram, nearest_index, solve_codebook
+from gefen.dist import Channel, collective
+
+__all__ = [
+    "CodebookInput",
+    "StagedLearning",
+    "any_nonzero_agreed",
+    "build_histogram",
+    "remap_codes",
+    "solve_new_codebook",
+    "stage_periods",
+]
+
+CodebookInput = tuple[int, Tensor, tuple[int, ...]]
+"""(flat parameter index, the gradient view learned from, its quantized shape)."""
+
+PeriodSelector = Callable[[int, Tensor, tuple[int, ...]], "int | None"]
+
+
+@dataclass
+class StagedLearning:
+    """What phase 4 (or initialize/refresh) learned, to be published at commit.
+
+    ``periods``: new periods by flat index; ``codebook``: a codebook to publish (None keeps the
+    live one); ``codes``: remapped momentum codes by flat index (a refresh); ``noop``: the
+    pre-initialization no-op of §5.5 (nothing is staged then).
+    """
+
+    periods: dict[int, int] = field(default_factory=dict)
+    codebook: Tensor | None = None
+    codes: dict[int, Tensor] = field(default_factory=dict)
+    noop: bool = False
+
+
+def stage_periods(
+    inputs: Sequence[CodebookInput], live_periods: Mapping[int, int], select: PeriodSelector
+) -> dict[int, int]:
+    """A period for every input whose parameter has none yet (§4: chosen once, never again)."""
+    staged: dict[int, int] = {}
+    for index, view, shape in inputs:
+        if live_periods.get(index, 0) != 0:
+            continue
+        period = select(index, view, shape)
+        if period is not None:
+            staged[index] = period
+    return staged
+
+
+def build_histogram(inputs: Sequence[CodebookInput], periods: Mapping[int, int]) -> Tensor:
+    """The summed 4096-bin histogram of every input that has a period (§5.1); int64 on CPU."""
+    counts = torch.zeros(BIN_COUNT, dtype=torch.int64)
+    for index, view, _ in inputs:
+        period = periods.get(index, 0)
+        if period > 0:
+            counts += histogram(_finite(view), period)
+    return counts
+
+
+def _finite(view: Tensor) -> Tensor:
+    # With check_finite=False non-finite gradients give unspecified state but must never crash;
+    # the binning kernel cannot index a NaN bin, so such elements count as zero here.
+    if bool(torch.isfinite(view).all()):
+        return view
+    return torch.nan_to_num(view.float(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@collective
+def _max_flag(channels: Sequence[Channel], flag: bool) -> bool:
+    import torch.distributed as dist
+
+    value = 1 if flag else 0
+    for channel in channels:
+        tensor = torch.tensor([value], dtype=torch.int32, device=channel.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=channel.process_group)
+        value = int(tensor.item())
+    return bool(value)
+
+
+def any_nonzero_agreed(counts: Tensor, scope: Sequence[Channel]) -> bool:
+    """ "Some gradient element is non-zero", agreed by a MAX all-reduce over a non-empty scope.
+
+    Every rank then learns (each from its own shards) or no-ops together (§5.5), so
+    ``global_step`` never diverges. An empty scope decides locally without a collective.
+    """
+    local = bool(counts.sum().item() > 0)
+    if len(scope) == 0:
+        return local
+    return _max_flag(tuple(scope), local)
+
+
+def solve_new_codebook(counts: Tensor, device: torch.device) -> Tensor:
+    """Solve §5.2–§5.3 and place the codebook on ``device`` (the first contributing one)."""
+    return solve_codebook(counts).to(device)
+
+
+def remap_codes(old_codebook: Tensor, new_codebook: Tensor, codes: Tensor) -> Tensor:
+    """§5.6 step 3: ``L[codes]`` with ``L[i] = nearest(cb', cb[i])``, as new uint8 codes."""
+    table = nearest_index(new_codebook.to(codes.device), old_codebook.to(codes.device))
+    return table.to(torch.int64)[codes.to(torch.int64)].to(torch.uint8)

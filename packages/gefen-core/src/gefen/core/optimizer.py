@@ -1,0 +1,322 @@
+"""``Gefen``: a drop-in replacement for ``torch.optim.AdamW`` with about 1 byte of state per
+parameter (10-core.md §2, §3, §6). The step and load transactions are the shell's; this class
+supplies the options, the per-parameter state codec and the update.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from gefen.contracts import OptimizerContract
+from gefen.core.fused import KernelKey, has_fused_implementation
+from gefen.core.kernels import (
+    CodebookMomentum,
+    DenseMomentum,
+    Momentum,
+    select_period,
+    update_block,
+    update_factored,
+)
+from gefen.core.learning import CodebookInput, StagedLearning
+from gefen.core.options import (
+    GEFEN_OPTIMIZER_WIDE,
+    check_betas,
+    check_optimizer_wide,
+    validate_gefen_options,
+)
+from gefen.core.shell import OptimizerShell
+from gefen.core.state import (
+    CodecKeys,
+    EntrySpec,
+    allocate_entry,
+    entry_family,
+    entry_matches,
+    is_initialized,
+    migrate_family,
+)
+from gefen.core.validation import is_dtensor, local_tensor, parameter_label
+from gefen.dist import GuardedOperation
+
+__all__ = ["Gefen"]
+
+
+@dataclass(frozen=True)
+class _StagedUpdate:
+    """One parameter's staged phase-4 result: its new entry and new value (None: no write)."""
+
+    param: Tensor
+    entry: dict[str, Any]
+    value: Tensor | None
+
+
+def _lr_value(lr: object) -> float:
+    """A tensor lr is read as a Python float once per group per step (§6.1 step 6)."""
+    if isinstance(lr, Tensor):
+        return float(lr.detach().reshape(()).item())
+    return float(lr)  # type: ignore[arg-type]
+
+
+class Gefen(OptimizerShell):
+    """AdamW with 8-bit codebook momentum and a block or factored second moment.
+
+    See the package README for the options; every hyperparameter has a default in
+    ``defaults`` so ``add_param_group`` and the LR schedulers work as with AdamW.
+    """
+
+    OWNER_NAME: ClassVar[str] = "Gefen"
+    OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = GEFEN_OPTIMIZER_WIDE
+    CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
+    OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        factored_v_2d: bool = True,
+        force_1d_period_one: bool = False,
+        force_2d_period_one: bool = False,
+        codebook_refresh_every: int = 0,
+        stochastic_round: bool = False,
+        deterministic: bool = False,
+        check_finite: bool = True,
+        momentum_codec: str = "codebook8",
+        fused: bool | None = None,
+    ) -> None:
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "factored_v_2d": factored_v_2d,
+            "force_1d_period_one": force_1d_period_one,
+            "force_2d_period_one": force_2d_period_one,
+            "codebook_refresh_every": codebook_refresh_every,
+            "stochastic_round": stochastic_round,
+            "deterministic": deterministic,
+            "check_finite": check_finite,
+            "momentum_codec": momentum_codec,
+            "fused": fused,
+        }
+        validate_gefen_options(defaults)
+        defaults["betas"] = check_betas(betas)
+        super().__init__(params, defaults)
+
+    # -- options ----------------------------------------------------------------------------
+
+    def _validate_group(self, group: Mapping[str, Any]) -> None:
+        check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
+        validate_gefen_options(group)
+        if group["fused"] is True:
+            for param in group["params"]:
+                device_type = local_tensor(param).device.type
+                if not has_fused_implementation(device_type):
+                    raise RuntimeError(
+                        f"fused=True but no fused implementation is registered for device "
+                        f"type {device_type!r}"
+                    )
+
+    # -- the state codec --------------------------------------------------------------------
+
+    def _entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
+        plain_matrix = param.dim() == 2 and not is_dtensor(param)
+        matrix = (int(param.shape[0]), int(param.shape[1])) if plain_matrix else None
+        factored = plain_matrix and bool(group["factored_v_2d"])
+        return EntrySpec(
+            numel=local_tensor(param).numel(),
+            matrix_shape=matrix,
+            codec_keys=self.CODEC_KEYS,
+            dense_dtype=torch.float32,
+            dense_shape=None,
+            second_moment="factored" if factored else "block",
+        )
+
+    def _check_local_inputs(self) -> None:
+        """§7.2: initialized (or period-selected) state must still fit its parameter."""
+        for group_index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                entry = self.state[param]
+                if entry.get("period", 0) == 0 and not is_initialized(entry):
+                    continue
+                reason = entry_matches(entry, self._entry_spec(group, param))
+                if reason is not None:
+                    label = parameter_label(group, group_index, position)
+                    raise RuntimeError(
+                        f"parameter {label}: state does not match parameter ({reason})"
+                    )
+
+    def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
+        inputs: list[CodebookInput] = []
+        for index, _, param in self._indexed():
+            if param.grad is None:
+                continue
+            grad = local_tensor(param.grad)
+            if grad.numel() > 0:
+                inputs.append((index, grad, tuple(grad.shape)))
+        return inputs
+
+    def _select_period(
+        self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
+    ) -> int | None:
+        force_one = (param.dim() == 1 and bool(group["force_1d_period_one"])) or (
+            param.dim() == 2 and bool(group["force_2d_period_one"])
+        )
+        return select_period(view, shape, force_one=force_one)
+
+    # -- kernels (§11) ----------------------------------------------------------------------
+
+    def _kernel_key(self, group: Mapping[str, Any], param: Tensor) -> KernelKey:
+        family = self._entry_spec(group, param).second_moment or "block"
+        return (
+            local_tensor(param).device.type,
+            param.dtype,
+            self.defaults["momentum_codec"],
+            family,
+        )
+
+    def _kernel(self, group: Mapping[str, Any], param: Tensor) -> Callable[..., Any] | None:
+        return self._kernels.select(
+            self._kernel_key(group, param),
+            fused=self.defaults["fused"],
+            deterministic=self.defaults["deterministic"],
+        )
+
+    def _select_kernels(self) -> None:
+        for _, group, param in self._indexed():
+            if param.grad is not None and local_tensor(param).numel() > 0:
+                self._kernel(group, param)
+
+    # -- phase 4: stage ---------------------------------------------------------------------
+
+    def _working_entry(
+        self, group: Mapping[str, Any], param: Tensor, period: int, label: str
+    ) -> dict[str, Any]:
+        """The entry the update starts from: allocated, migrated or moved as needed (staged)."""
+        entry = self.state[param]
+        spec = self._entry_spec(group, param)
+        device = local_tensor(param).device
+        if not is_initialized(entry):
+            return allocate_entry(spec, period, codebook8=self._codebook8, device=device)
+        if entry_family(entry) != spec.second_moment:
+            warnings.warn(
+                f"Gefen: parameter {label} switches its second moment to the "
+                f"{spec.second_moment} family (factored_v_2d changed); it restarts at v_step 0",
+                UserWarning,
+                stacklevel=6,
+            )
+            entry = migrate_family(entry, spec, device)
+        return {
+            key: value.to(device) if isinstance(value, Tensor) else value
+            for key, value in entry.items()
+        }
+
+    def _momentum(self, entry: Mapping[str, Any], codes: Tensor | None) -> Momentum:
+        keys = self.CODEC_KEYS
+        if self._codebook8:
+            return CodebookMomentum(
+                entry[keys.codes] if codes is None else codes, entry[keys.scale]
+            )
+        return DenseMomentum(entry[keys.dense])
+
+    def _new_entry(self, period: int, result: Any) -> dict[str, Any]:
+        keys = self.CODEC_KEYS
+        entry: dict[str, Any] = {"period": period, "step": result.step}
+        if isinstance(result.momentum, CodebookMomentum):
+            entry[keys.codes] = result.momentum.codes
+            entry[keys.scale] = result.momentum.scale
+        else:
+            entry[keys.dense] = result.momentum.momentum
+        if hasattr(result, "v_block"):
+            entry["v_block"] = result.v_block
+        else:
+            entry["v_row"], entry["v_col"] = result.v_row, result.v_col
+        entry["v_step"] = result.v_step
+        return entry
+
+    def _stage_one(
+        self,
+        index: int,
+        label: str,
+        group: Mapping[str, Any],
+        param: Tensor,
+        learning: StagedLearning,
+    ) -> _StagedUpdate:
+        period = learning.periods.get(index, self.state[param]["period"])
+        entry = self._working_entry(group, param, period, label)
+        local = local_tensor(param)
+        codebook = learning.codebook if learning.codebook is not None else self._codebook
+        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
+        arguments: dict[str, Any] = {
+            "period": period,
+            "step": entry["step"],
+            "v_step": entry["v_step"],
+            "lr": _lr_value(group["lr"]),
+            "betas": (float(group["betas"][0]), float(group["betas"][1])),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "codebook": codebook.to(local.device)
+            if self._codebook8 and codebook is not None
+            else None,
+            "seed": (self._global_step, index) if stochastic else None,
+        }
+        momentum = self._momentum(entry, learning.codes.get(index))
+        grad = local_tensor(param.grad)  # type: ignore[arg-type]
+        kernel = self._kernel(group, param)
+        if "v_block" in entry:
+            result = (kernel or update_block)(local, grad, momentum, entry["v_block"], **arguments)
+        else:
+            result = (kernel or update_factored)(
+                local, grad, momentum, entry["v_row"], entry["v_col"], **arguments
+            )
+        return _StagedUpdate(param, self._new_entry(period, result), result.param)
+
+    def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
+        staged: list[_StagedUpdate] = []
+        index = -1
+        for group_index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                index += 1
+                if param.grad is None or local_tensor(param).numel() == 0:
+                    continue
+                label = parameter_label(group, group_index, position)
+                staged.append(self._stage_one(index, label, group, param, learning))
+        return staged
+
+    # -- phase 5: commit --------------------------------------------------------------------
+
+    def _commit_step(self, plan: Any) -> None:
+        for update in plan:
+            entry = self.state[update.param]
+            entry.clear()
+            entry.update(update.entry)
+            if update.value is not None:
+                local_tensor(update.param).copy_(update.value)
+
+    # -- contract (§10) ---------------------------------------------------------------------
+
+    def optimizer_contract(self) -> OptimizerContract:
+        """The contract of the live options (§10); a pure read, recomputed on every call."""
+        from gefen.core.contract import gefen_contract
+
+        return gefen_contract(self, self.param_groups, "gefen.core.Gefen")
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _stage_entries(
+        self,
+        saved_state: Mapping[int, Any],
+        groups: list[dict[str, Any]],
+        extras: Mapping[str, Any],
+    ) -> dict[int, dict[str, Any]]:
+        from gefen.core.loading import stage_gefen_entries
+
+        return stage_gefen_entries(self, saved_state, groups)

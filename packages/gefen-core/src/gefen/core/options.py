@@ -1,0 +1,144 @@
+"""Option validation (10-core.md §2.1–§2.2): the first failing rule raises.
+
+The checks run at construction, in ``add_param_group``, for every group in the step preflight
+and on load; they only read the group (a list ``betas`` is accepted and normalised by the
+caller where normalising is allowed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CODECS",
+    "GEFEN_FLAGS",
+    "GEFEN_GROUP_OPTIONS",
+    "GEFEN_OPTIMIZER_WIDE",
+    "check_betas",
+    "check_flag",
+    "check_lr",
+    "check_optimizer_wide",
+    "validate_gefen_options",
+]
+
+CODECS = ("codebook8", "none")
+GEFEN_GROUP_OPTIONS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "factored_v_2d",
+    "force_1d_period_one",
+    "force_2d_period_one",
+)
+GEFEN_OPTIMIZER_WIDE = (
+    "codebook_refresh_every",
+    "stochastic_round",
+    "deterministic",
+    "check_finite",
+    "momentum_codec",
+    "fused",
+)
+GEFEN_FLAGS = (
+    "factored_v_2d",
+    "force_1d_period_one",
+    "force_2d_period_one",
+    "stochastic_round",
+    "deterministic",
+    "check_finite",
+)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_lr(lr: object) -> None:
+    """A float >= 0 (0 allowed), or a 1-element floating tensor holding one."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr as a Tensor must be 1-element, got {lr.numel()} elements")
+        if not lr.is_floating_point():
+            raise ValueError(f"Invalid learning rate: a tensor lr must be floating, got {lr.dtype}")
+        value = float(lr.detach().reshape(()).item())
+    elif _is_real(lr):
+        value = float(lr)  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"Invalid learning rate: {lr!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"Invalid learning rate: {lr!r}")
+
+
+def check_betas(betas: object) -> tuple[float, float]:
+    """A 2-sequence of reals with ``0 <= β < 1``; returns it as a tuple."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid beta parameter at index 0: betas must be a pair, got {betas!r}")
+    for index, beta in enumerate(betas):
+        if not _is_real(beta) or not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta!r}")
+    return (betas[0], betas[1])
+
+
+def check_flag(name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_positive_finite(name: str, label: str, value: object, *, allow_zero: bool) -> None:
+    ok = _is_real(value) and math.isfinite(float(value))  # type: ignore[arg-type]
+    if ok:
+        ok = float(value) >= 0 if allow_zero else float(value) > 0  # type: ignore[arg-type]
+    if not ok:
+        raise ValueError(f"Invalid {label} value: {value!r}")
+
+
+def _check_refresh(value: object) -> None:
+    if type(value) is not int:
+        raise TypeError(f"codebook_refresh_every must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"codebook_refresh_every must be >= 0, got {value}")
+
+
+def _check_codec(options: Mapping[str, Any]) -> None:
+    codec = options["momentum_codec"]
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise ValueError(f"momentum_codec must be one of {CODECS}, got {codec!r}")
+    if codec == "none" and (options["codebook_refresh_every"] > 0 or options["stochastic_round"]):
+        raise ValueError(
+            "codebook_refresh_every > 0 or stochastic_round requires momentum_codec='codebook8'"
+        )
+
+
+def validate_gefen_options(options: Mapping[str, Any]) -> None:
+    """Gefen's §2.2 rules in order over one group (or the constructor's defaults)."""
+    check_lr(options["lr"])
+    check_betas(options["betas"])
+    _check_positive_finite("eps", "epsilon", options["eps"], allow_zero=False)
+    _check_positive_finite("weight_decay", "weight_decay", options["weight_decay"], allow_zero=True)
+    for name in GEFEN_FLAGS:
+        check_flag(name, options[name])
+    _check_refresh(options["codebook_refresh_every"])
+    _check_codec(options)
+    fused = options["fused"]
+    if fused is not None and type(fused) is not bool:
+        raise TypeError(f"fused must be None, True or False, got {fused!r}")
+
+
+def check_optimizer_wide(
+    group: Mapping[str, Any], defaults: Mapping[str, Any], names: tuple[str, ...]
+) -> None:
+    """An optimizer-scope option given in a group must equal the constructor value."""
+    for name in names:
+        if name in group and not _same_option(group[name], defaults[name]):
+            raise ValueError(
+                f"optimizer-wide option '{name}' must equal the constructor value "
+                f"{defaults[name]!r} in every parameter group, got {group[name]!r}"
+            )
+
+
+def _same_option(a: object, b: object) -> bool:
+    return type(a) is type(b) and a == b

@@ -1,0 +1,564 @@
+"""The shared optimizer shell of ``Gefen`` and ``GefenMuon`` (10-core.md §1.1, §2.3, §7).
+
+``OptimizerShell`` owns the parameter groups and names, the ``{"period": 0}`` placeholder, the
+step template (local preflight, one vote, AMP agreement, preparation, commit), codebook
+learning and refresh, the step hooks, the failed-commit latch and the checkpoint transaction
+(``gefen.core.checkpoint``). A subclass supplies the extension points listed in §1.1; a
+composite drives the public members ``step_failure_scope``, ``validate_step_inputs``,
+``check_step_agreement``, ``step_header_payload`` and ``apply_prepared_step``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
+
+from gefen.core.checkpoint import PreparedLoad, build_state_dict, prepare_load
+from gefen.core.fused import KernelSelector
+from gefen.core.kernels import select_period
+from gefen.core.learning import (
+    CodebookInput,
+    StagedLearning,
+    any_nonzero_agreed,
+    build_histogram,
+    remap_codes,
+    solve_new_codebook,
+    stage_periods,
+)
+from gefen.core.options import check_optimizer_wide
+from gefen.core.state import CodecKeys, EntrySpec
+from gefen.core.validation import (
+    SUPPORTED_DTYPES,
+    check_finite_gradients,
+    local_tensor,
+    validate_gradient_structure,
+)
+from gefen.dist import (
+    PHASE_INITIALIZE_PREAMBLE,
+    PHASE_LOAD_VALIDATION,
+    PHASE_REFRESH_PREAMBLE,
+    PHASE_STEP_PREFLIGHT,
+    BindingError,
+    Channel,
+    GuardedOperation,
+    ProcessGroupBinding,
+    collect_failure_scope,
+    prepare_synchronized_amp_step,
+)
+
+__all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
+
+_DUPLICATE = "some parameters appear in more than one parameter group"
+_LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def amp_scaling_supported(
+    param_groups: Iterable[Mapping[str, Any]], scope: tuple[Any, ...]
+) -> bool:
+    """True iff some gradient is fp16 or the failure scope is non-empty (§7.3); pure."""
+    if len(scope) > 0:
+        return True
+    return any(
+        param.grad is not None and param.grad.dtype == torch.float16
+        for group in param_groups
+        for param in group["params"]
+    )
+
+
+def _check_param_tensor(param: object) -> Tensor:
+    if not isinstance(param, Tensor):
+        raise TypeError(
+            f"optimizer can only optimize Tensors, but one of the params is {type(param)}"
+        )
+    if not param.is_leaf:
+        raise ValueError("can't optimize a non-leaf Tensor")
+    if param.is_complex():
+        raise ValueError(f"complex parameters are not supported (got {param.dtype})")
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"parameters must be float16, bfloat16, float32 or float64, got {param.dtype}"
+        )
+    return param
+
+
+class OptimizerShell(Optimizer):
+    """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (10-core.md §1.1)."""
+
+    OWNER_NAME: ClassVar[str] = "OptimizerShell"
+    OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = ()
+    CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
+    OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")
+    # The attributes __getstate__ copies (a whitelist: never an instance-level `step` wrapper).
+    _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        "defaults",
+        "state",
+        "param_groups",
+        "_global_step",
+        "_codebook",
+        "_commit_failed",
+        "_binding",
+        *_HOOK_DICTS,
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The shell fires the step hooks itself; marking every override keeps torch's
+        # _patch_step_function from wrapping it a second time.
+        if "step" in cls.__dict__:
+            cls.step.hooked = True  # type: ignore[attr-defined]
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        if isinstance(params, (Tensor, set)):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or "
+                f"dicts, but got {torch.typename(params)}"
+            )
+        self._global_step = 0
+        self._codebook: Tensor | None = None
+        self._commit_failed = False
+        self._binding: ProcessGroupBinding | None = None
+        self._kernels = KernelSelector()
+        super().__init__(params, defaults)
+
+    # -- extension points (10-core.md §1.1) -------------------------------------------------
+
+    def _validate_group(self, group: Mapping[str, Any]) -> None:
+        """Option checks of one group (§2.2); raise on the first failing rule."""
+
+    def _check_local_inputs(self) -> None:
+        """Further rank-local step checks (Gefen: the state match of §7.2)."""
+
+    def _select_period(
+        self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
+    ) -> int | None:
+        """The period of a parameter seen for the first time (§4); Gefen decides ``force_one``."""
+        return select_period(view, shape, force_one=False)
+
+    def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
+        """Per parameter with a non-empty gradient: (flat index, the gradient view the codebook
+        and period are learned from, its quantized shape). May be collective (GefenMuon)."""
+        raise NotImplementedError
+
+    def _entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
+        """The ``validate_entry`` keyword arguments for ``param`` in ``group``."""
+        raise NotImplementedError
+
+    def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
+        """Phase 4: stage every update, writing nothing; returns the plan ``_commit_step`` takes.
+
+        ``learning`` holds what the shell staged for this step (new periods, a first or refreshed
+        codebook, remapped codes); it is published by the shell before ``_commit_step`` runs.
+        """
+        raise NotImplementedError
+
+    def _commit_step(self, plan: Any) -> None:
+        """Phase 5: publish the plan (state entries, parameter writes); must not fail."""
+        raise NotImplementedError
+
+    def _select_kernels(self) -> None:
+        """Kernel selection of the local preflight (§11); the default has nothing to select."""
+
+    def _build_state_entries(self, operation: GuardedOperation) -> dict[int, dict[str, Any]]:
+        return {index: dict(self.state[param]) for index, _, param in self._indexed()}
+
+    def _stage_entries(
+        self,
+        saved_state: Mapping[int, Any],
+        groups: list[dict[str, Any]],
+        extras: Mapping[str, Any],
+    ) -> dict[int, dict[str, Any]]:
+        """Shadow entries by flat position from the saved entries (same positions; a missing
+        entry is the pristine placeholder), validated with ``validate_entry``."""
+        raise NotImplementedError
+
+    # -- groups and names (§2.3) ------------------------------------------------------------
+
+    def _indexed(self) -> list[tuple[int, dict[str, Any], Tensor]]:
+        """(flat index, group, parameter) in group order, then parameter order."""
+        flat = ((group, param) for group in self.param_groups for param in group["params"])
+        return [(index, group, param) for index, (group, param) in enumerate(flat)]
+
+    def _normalised_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            listed: list[Any] = [params]
+        elif isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the "
+                "ordering of tensors in sets will change between runs. Please use a list instead."
+            )
+        else:
+            listed = list(params)
+        names = [item[0] for item in listed if isinstance(item, tuple)]
+        tensors = [item[1] if isinstance(item, tuple) else item for item in listed]
+        candidate = dict(param_group)
+        candidate["params"] = [_check_param_tensor(param) for param in tensors]
+        if names:
+            if len(names) != len(tensors):
+                raise ValueError(
+                    "all optimizer params should be with/without names. "
+                    "Some param names are missing"
+                )
+            candidate["param_names"] = names
+        for name, default in self.defaults.items():
+            candidate.setdefault(name, default)
+        if isinstance(candidate.get("betas"), list):
+            candidate["betas"] = tuple(candidate["betas"])
+        return candidate
+
+    def _check_membership(self, candidate: Mapping[str, Any]) -> None:
+        params = candidate["params"]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(_DUPLICATE)
+        registered = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) in registered for p in params):
+            raise ValueError(_DUPLICATE)
+        for group in self.param_groups:
+            if ("param_names" in group) != ("param_names" in candidate):
+                kind = "with names" if "param_names" in candidate else "without names"
+                raise ValueError(
+                    "all optimizer param groups should be with/without names. "
+                    f"cannot add param group {kind} to the optimizer"
+                )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """All-or-nothing: the whole group is validated before anything is registered."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        check_optimizer_wide(param_group, self.defaults, self.OPTIMIZER_WIDE)
+        candidate = self._normalised_group(param_group)
+        self._check_membership(candidate)
+        self._validate_group(candidate)
+        # Publish: the caller's dict itself becomes the group, as in torch.
+        param_group.update(candidate)
+        self.param_groups.append(param_group)
+        for param in param_group["params"]:
+            self.state[param] = {"period": 0}
+
+    # -- the composite step protocol (§1.1) -------------------------------------------------
+
+    def step_failure_scope(self) -> tuple[Channel, ...]:
+        """The installed binding's scope, else the failure scope of the groups; pure."""
+        if self._binding is not None:
+            return self._binding.failure_scope()
+        return collect_failure_scope(self.param_groups)
+
+    def _operation(self) -> GuardedOperation:
+        if self._binding is not None:
+            return GuardedOperation(self.OWNER_NAME, binding_getter=lambda: self._binding)
+        return GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
+
+    def _check_latch(self) -> None:
+        if self._commit_failed:
+            raise RuntimeError(f"{self.OWNER_NAME}: {_LATCHED}")
+
+    def validate_step_inputs(self, *, amp_present: bool) -> None:
+        """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels."""
+        self._check_latch()
+        for group in self.param_groups:
+            self._validate_group(group)
+        validate_gradient_structure(self.param_groups, owner=self.OWNER_NAME, require_2d=False)
+        self._check_local_inputs()
+        self._select_kernels()
+        if self.defaults.get("check_finite", True) and not amp_present:
+            check_finite_gradients(self.param_groups)
+
+    def step_header_payload(self) -> list[int] | None:
+        """The payload words of 50-dist.md §9.2; None while no binding is installed."""
+        return None
+
+    def check_step_agreement(self) -> None:
+        """Symmetric agreement checks after the vote: none for Gefen."""
+
+    def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
+        """Phases 4–5 only: stage (collectives allowed), then commit; a commit failure latches."""
+        op = operation if operation is not None else self._operation()
+        with torch.no_grad():
+            learning = self._stage_step_learning(op)
+            if learning.noop:
+                return
+            plan = self._prepare_step(op, learning)
+            self._commit(learning, plan)
+
+    # -- the step template (§7.1) -----------------------------------------------------------
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return amp_scaling_supported(self.param_groups, self.step_failure_scope())
+
+    def _amp_present(self) -> bool:
+        return hasattr(self, "found_inf") or hasattr(self, "grad_scale")
+
+    def _local_preflight(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        self._check_latch()
+        hooks = chain(
+            torch_optimizer._global_optimizer_pre_hooks.values(),
+            self._optimizer_step_pre_hooks.values(),
+        )
+        for hook in hooks:
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"a step pre-hook must return None or (new_args, new_kwargs), got {result}"
+                    )
+                args, kwargs = result
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.validate_step_inputs(amp_present=self._amp_present())
+        self.step_header_payload()
+        return loss, args, kwargs
+
+    def _run_step_post_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hooks = chain(
+            self._optimizer_step_post_hooks.values(),
+            torch_optimizer._global_optimizer_post_hooks.values(),
+        )
+        for hook in hooks:
+            hook(self, args, kwargs)
+
+    def _drop_amp_controls(self) -> None:
+        # GradScaler never reaches its own deletion when step raises; a retry must not unscale
+        # again by a stale scale.
+        for name in ("found_inf", "grad_scale"):
+            if name in self.__dict__:
+                delattr(self, name)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One transactional step (§7.1); returns the closure's loss or None."""
+        op = self._operation()
+        args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
+        kwargs: dict[str, Any] = {}
+        loss, args, kwargs = op.local(PHASE_STEP_PREFLIGHT, self._local_preflight, args, kwargs)
+        self.check_step_agreement()
+        try:
+            with torch.no_grad():
+                proceed = prepare_synchronized_amp_step(self, op.scope, self.OWNER_NAME)
+            if proceed:
+                self.apply_prepared_step(operation=op)
+        except BaseException:
+            self._drop_amp_controls()
+            raise
+        self._run_step_post_hooks(args, kwargs)
+        return loss
+
+    # -- codebook learning and refresh (§5.5, §5.6) -----------------------------------------
+
+    @property
+    def _codebook8(self) -> bool:
+        return bool(self.defaults.get("momentum_codec", "codebook8") == "codebook8")
+
+    def _live_periods(self) -> dict[int, int]:
+        return {
+            index: int(self.state[param].get("period", 0)) for index, _, param in self._indexed()
+        }
+
+    def _stage_new_periods(self, inputs: list[CodebookInput]) -> dict[int, int]:
+        by_index = {index: (group, param) for index, group, param in self._indexed()}
+
+        def select(index: int, view: Tensor, shape: tuple[int, ...]) -> int | None:
+            group, param = by_index[index]
+            return self._select_period(group, param, view, shape)
+
+        return stage_periods(inputs, self._live_periods(), select)
+
+    def _stage_first_codebook(self, op: GuardedOperation) -> StagedLearning:
+        """Periods for every input and the first codebook, or the agreed no-op (§5.5)."""
+        inputs = self._codebook_inputs(op)
+        periods = self._stage_new_periods(inputs)
+        counts = build_histogram(inputs, periods)
+        if not any_nonzero_agreed(counts, op.scope):
+            return StagedLearning(noop=True)
+        device = inputs[0][1].device if inputs else torch.device("cpu")
+        return StagedLearning(periods=periods, codebook=solve_new_codebook(counts, device))
+
+    def _stage_refresh(
+        self, inputs: list[CodebookInput], staged_periods: Mapping[int, int]
+    ) -> tuple[Tensor, dict[int, Tensor]] | None:
+        """§5.6 steps 1–3: a new codebook and every remapped code tensor, or None (empty)."""
+        assert self._codebook is not None
+        periods = {**self._live_periods(), **staged_periods}
+        counts = build_histogram(inputs, periods)
+        if not bool(counts.sum().item() > 0):
+            return None
+        new_codebook = solve_new_codebook(counts, self._codebook.device)
+        codes_key = self.CODEC_KEYS.codes
+        remapped = {
+            index: remap_codes(self._codebook, new_codebook, self.state[param][codes_key])
+            for index, _, param in self._indexed()
+            if codes_key in self.state[param]
+        }
+        return new_codebook, remapped
+
+    def _refresh_due(self) -> bool:
+        every = int(self.defaults.get("codebook_refresh_every", 0))
+        return every > 0 and self._global_step > 0 and self._global_step % every == 0
+
+    def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
+        if not self._codebook8:
+            return StagedLearning(periods=self._stage_new_periods(self._codebook_inputs(op)))
+        if self._codebook is None:
+            return self._stage_first_codebook(op)
+        inputs = self._codebook_inputs(op)
+        learning = StagedLearning(periods=self._stage_new_periods(inputs))
+        if self._refresh_due():
+            refreshed = self._stage_refresh(inputs, learning.periods)
+            if refreshed is not None:
+                learning.codebook, learning.codes = refreshed
+        return learning
+
+    def _publish_learning(self, learning: StagedLearning) -> None:
+        by_index = {index: param for index, _, param in self._indexed()}
+        for index, period in learning.periods.items():
+            self.state[by_index[index]]["period"] = period
+        for index, codes in learning.codes.items():
+            self.state[by_index[index]][self.CODEC_KEYS.codes] = codes
+        if learning.codebook is not None:
+            self._codebook = learning.codebook
+
+    def _commit(self, learning: StagedLearning, plan: Any) -> None:
+        """Phase 5: publish, update, count. Any failure latches (§7.4)."""
+        try:
+            self._publish_learning(learning)
+            self._commit_step(plan)
+            self._global_step += 1
+        except BaseException:
+            self._commit_failed = True
+            raise
+
+    def _publish_only(self, learning: StagedLearning) -> None:
+        try:
+            self._publish_learning(learning)
+        except BaseException:
+            self._commit_failed = True
+            raise
+
+    def _preamble_checks(self) -> None:
+        self._check_latch()
+        validate_gradient_structure(self.param_groups, owner=self.OWNER_NAME, require_2d=False)
+        self._check_local_inputs()
+        if self.defaults.get("check_finite", True):
+            check_finite_gradients(self.param_groups)
+
+    def initialize_codebook(self) -> bool:
+        """Learn the codebook from the current gradients without stepping (§2.4, §5.5)."""
+        op = self._operation()
+        op.local(PHASE_INITIALIZE_PREAMBLE, self._preamble_checks)
+        if not self._codebook8 or self._codebook is not None:
+            return False
+        with torch.no_grad():
+            learning = self._stage_first_codebook(op)
+        if learning.noop:
+            return False
+        self._publish_only(learning)
+        return True
+
+    def _refresh_preamble(self) -> None:
+        self._check_latch()
+        if not self._codebook8 or self._codebook is None:
+            raise RuntimeError("refresh_codebook: no codebook has been learned")
+        validate_gradient_structure(self.param_groups, owner=self.OWNER_NAME, require_2d=False)
+        self._check_local_inputs()
+
+    def refresh_codebook(self) -> bool:
+        """The refresh transaction of §5.6 on demand; True iff the codebook was replaced."""
+        op = self._operation()
+        op.local(PHASE_REFRESH_PREAMBLE, self._refresh_preamble)
+        with torch.no_grad():
+            refreshed = self._stage_refresh(self._codebook_inputs(op), {})
+        if refreshed is None:
+            return False
+        codebook, codes = refreshed
+        self._publish_only(StagedLearning(codebook=codebook, codes=codes))
+        return True
+
+    def state_nbytes(self) -> int:
+        """Persistent state bytes (§2.4): every entry tensor, plus 1024 with a codebook; pure."""
+        total = sum(
+            local_tensor(value).numel() * value.element_size()
+            for entry in self.state.values()
+            for value in entry.values()
+            if isinstance(value, Tensor)
+        )
+        return total + (1024 if self._codebook is not None else 0)
+
+    @property
+    def global_step(self) -> int:
+        """Committed steps (§3.1)."""
+        return self._global_step
+
+    @property
+    def codebook(self) -> Tensor | None:
+        """The learned fp32 codebook of 256 values, or None."""
+        return self._codebook
+
+    # -- checkpoints (§8) -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        result = build_state_dict(self, self._build_state_entries(self._operation()))
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, result)
+            if replaced is not None:
+                result = replaced
+        return result
+
+    def prepare_load_state_dict(self, sd: Mapping[str, Any]) -> PreparedLoad:
+        """Stage and validate a load on shadow objects; mutates nothing (§8.2)."""
+        return prepare_load(self, sd)
+
+    def _checked_prepare(self, sd: Mapping[str, Any], checkpoint_binding: object) -> PreparedLoad:
+        if checkpoint_binding is not None and self._binding is None:
+            raise BindingError("no codebook binding is installed")
+        return self.prepare_load_state_dict(sd)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], *, checkpoint_binding: object = None
+    ) -> None:
+        """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
+        op = self._operation()
+        prepared = op.local(
+            PHASE_LOAD_VALIDATION, self._checked_prepare, state_dict, checkpoint_binding
+        )
+        prepared.agree(op)
+        prepared.commit()
+        prepared.run_post_hooks()
+
+    # -- pickling and copies (§2.4) ---------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            name: self.__dict__[name] for name in self._PICKLED_ATTRIBUTES if name in self.__dict__
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in _HOOK_DICTS:
+            self.__dict__.setdefault(name, OrderedDict())
+        self._kernels = KernelSelector()
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        self._warned_capturable_if_run_uncaptured = True
+
+
+OptimizerShell.step.hooked = True  # type: ignore[attr-defined]

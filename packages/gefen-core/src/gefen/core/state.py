@@ -1,0 +1,373 @@
+"""The per-parameter state codec of ``gefen.core`` (10-core.md §3, §8.3).
+
+The codebook check of §5.4, the description of one parameter's entry (``CodecKeys``,
+``EntrySpec``), its allocation, the one entry validator of §8.3 (``validate_entry``) and the
+family migration of §8.4. Loading, the step-time state match, the contract and the tests all
+use these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CODEBOOK_SIZE",
+    "COUNTER_KEYS",
+    "FAMILY_KEYS",
+    "CodecKeys",
+    "EntrySpec",
+    "allocate_entry",
+    "entry_family",
+    "entry_matches",
+    "is_initialized",
+    "migrate_family",
+    "validate_codebook",
+    "validate_entry",
+]
+
+CODEBOOK_SIZE = 256
+"""Entries of the one learned codebook (uint8 indices)."""
+
+
+def validate_codebook(cb: object) -> None:
+    """Raise ValueError unless ``cb`` is a valid learned or loaded codebook (10-core.md §5.4).
+
+    The rules, checked in this order: a torch.Tensor with the strided layout; float32; 1-D; 256
+    values; all finite; strictly increasing; ``cb[0] == -1.0``; ``cb[255] == +1.0``. The message
+    names the rule that failed. This is the one codebook check for Gefen and GefenMuon alike.
+    """
+    if not isinstance(cb, Tensor) or cb.layout != torch.strided:
+        raise ValueError(f"codebook must be a strided torch.Tensor, got {type(cb).__name__}")
+    if cb.dtype != torch.float32:
+        raise ValueError(f"codebook must be float32, got {cb.dtype}")
+    if cb.dim() != 1:
+        raise ValueError(f"codebook must be 1-D, got shape {tuple(cb.shape)}")
+    if cb.numel() != CODEBOOK_SIZE:
+        raise ValueError(f"codebook must hold {CODEBOOK_SIZE} values, got {cb.numel()}")
+    values = cb.detach().cpu()
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("codebook values must all be finite")
+    if not bool((values[1:] > values[:-1]).all()):
+        raise ValueError("codebook must be strictly increasing")
+    if float(values[0]) != -1.0:
+        raise ValueError(f"codebook must start at exactly -1.0, got cb[0] = {float(values[0])!r}")
+    if float(values[-1]) != 1.0:
+        raise ValueError(f"codebook must end at exactly +1.0, got cb[255] = {float(values[-1])!r}")
+
+
+# -- the per-parameter entry (§3.2) ---------------------------------------------------------------
+
+Family = Literal["block", "factored"]
+
+COUNTER_KEYS = ("period", "step", "v_step")
+"""The exact-int keys of an entry (``v_step`` only for optimizers with a second moment)."""
+
+FAMILY_KEYS: dict[str, tuple[str, ...]] = {"block": ("v_block",), "factored": ("v_row", "v_col")}
+"""The tensors of each second-moment family."""
+
+
+@dataclass(frozen=True)
+class CodecKeys:
+    """The momentum keys of a codec: codebook8 uses ``codes``/``scale``, ``"none"`` ``dense``."""
+
+    codes: str = "momentum_codes"
+    scale: str = "momentum_scale"
+    dense: str = "momentum"
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """The ``validate_entry`` keyword arguments for one live parameter (10-core.md §1.1).
+
+    ``numel`` is N as the optimizer defines it; ``matrix_shape`` is set only where the factored
+    family is possible (a plain 2-D tensor); ``dense_shape=None`` means the (B, P) block grid;
+    ``second_moment`` is the family the parameter's group selects now (None: no second moment).
+    """
+
+    numel: int
+    matrix_shape: tuple[int, int] | None
+    codec_keys: CodecKeys
+    dense_dtype: torch.dtype
+    dense_shape: tuple[int, ...] | None
+    second_moment: Family | None
+    extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``validate_entry`` (everything but ``entry`` and ``where``)."""
+        return {
+            "numel": self.numel,
+            "matrix_shape": self.matrix_shape,
+            "codec_keys": self.codec_keys,
+            "dense_dtype": self.dense_dtype,
+            "dense_shape": self.dense_shape,
+            "second_moment": self.second_moment,
+            "extra_pairs": self.extra_pairs,
+        }
+
+
+def _is_exact_int(value: object) -> bool:
+    return type(value) is int
+
+
+def is_initialized(entry: Mapping[str, Any]) -> bool:
+    """True when the entry holds more than its period (the initialized variant)."""
+    return "step" in entry
+
+
+def entry_family(entry: Mapping[str, Any]) -> Family | None:
+    """The second-moment family an entry holds, or None (uninitialized or no second moment)."""
+    if "v_block" in entry:
+        return "block"
+    if "v_row" in entry or "v_col" in entry:
+        return "factored"
+    return None
+
+
+class _EntryCheck:
+    """One validation pass; ``values`` adds the finite/non-negative/all-zero value checks."""
+
+    def __init__(self, where: str, spec: EntrySpec, values: bool) -> None:
+        self.where = where
+        self.spec = spec
+        self.values = values
+
+    def fail(self, rule: str) -> None:
+        raise ValueError(f"{self.where}: {rule}")
+
+    def mismatch(self, detail: str) -> None:
+        self.fail(f"state does not match parameter ({detail})")
+
+    def tensor(
+        self, entry: Mapping[str, Any], key: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> Tensor:
+        value = entry[key]
+        if not isinstance(value, Tensor):
+            self.fail(f"'{key}' must be a tensor, got {type(value).__name__}")
+        local: Tensor = value.to_local() if hasattr(value, "to_local") else value
+        if local.dtype != dtype:
+            self.fail(f"'{key}' must be {dtype}, got {local.dtype}")
+        if tuple(local.shape) != shape:
+            self.mismatch(f"'{key}' has shape {tuple(local.shape)}, expected {shape}")
+        return local
+
+    def non_negative(self, key: str, tensor: Tensor, *, signed: bool = False) -> None:
+        if not self.values:
+            return
+        if not bool(torch.isfinite(tensor).all()):
+            self.fail(f"'{key}' must be finite")
+        if not signed and bool((tensor < 0).any()):
+            self.fail(f"'{key}' must be >= 0")
+
+
+def _check_period(check: _EntryCheck, entry: Mapping[str, Any]) -> int:
+    if "period" not in entry:
+        check.fail("missing key 'period'")
+    period = entry["period"]
+    if not _is_exact_int(period) or period < 0:
+        check.fail(f"'period' must be an int >= 0, got {period!r}")
+    numel = check.spec.numel
+    if numel == 0 and period != 0:
+        check.mismatch(f"period {period} for a parameter with no element")
+    if period > 0 and numel % period != 0:
+        check.mismatch(f"period {period} does not divide numel {numel}")
+    return int(period)
+
+
+def _allowed_keys(spec: EntrySpec) -> set[str]:
+    keys = {"period", "step", spec.codec_keys.codes, spec.codec_keys.scale, spec.codec_keys.dense}
+    keys.update(spec.extra_pairs)
+    if spec.second_moment is not None:
+        keys.update({"v_step", "v_block", "v_row", "v_col"})
+    return keys
+
+
+def _check_momentum(check: _EntryCheck, entry: Mapping[str, Any], grid: tuple[int, int]) -> str:
+    keys = check.spec.codec_keys
+    has_codes = keys.codes in entry or keys.scale in entry
+    if has_codes and keys.dense in entry:
+        check.fail(f"entry holds both '{keys.codes}' and '{keys.dense}'")
+    if has_codes:
+        for key in (keys.codes, keys.scale):
+            if key not in entry:
+                check.fail(f"missing key '{key}'")
+        check.tensor(entry, keys.codes, torch.uint8, grid)
+        scale = check.tensor(entry, keys.scale, torch.float32, (grid[0], 1))
+        check.non_negative(keys.scale, scale)
+        return "q8"
+    if keys.dense not in entry:
+        check.fail(f"missing momentum key '{keys.codes}' or '{keys.dense}'")
+    shape = check.spec.dense_shape if check.spec.dense_shape is not None else grid
+    dense = check.tensor(entry, keys.dense, check.spec.dense_dtype, tuple(shape))
+    check.non_negative(keys.dense, dense, signed=True)
+    return "fp32"
+
+
+def _check_counters(check: _EntryCheck, entry: Mapping[str, Any]) -> tuple[int, int]:
+    step = entry["step"]
+    if not _is_exact_int(step) or step < 1:
+        check.fail(f"'step' must be an int >= 1, got {step!r}")
+    if check.spec.second_moment is None:
+        return int(step), 0
+    if "v_step" not in entry:
+        check.fail("missing key 'v_step'")
+    v_step = entry["v_step"]
+    if not _is_exact_int(v_step) or not 0 <= v_step <= step:
+        check.fail(f"'v_step' must be an int with 0 <= v_step <= step, got {v_step!r}")
+    return int(step), int(v_step)
+
+
+def _check_second_moment(
+    check: _EntryCheck, entry: Mapping[str, Any], blocks: int, v_step: int
+) -> Family:
+    block = "v_block" in entry
+    factored = "v_row" in entry or "v_col" in entry
+    if block == factored:
+        check.fail(
+            "entry must hold exactly one second-moment family ('v_block' or 'v_row'/'v_col')"
+        )
+    if block:
+        tensors = [("v_block", check.tensor(entry, "v_block", torch.float32, (blocks, 1)))]
+    else:
+        matrix = check.spec.matrix_shape
+        if matrix is None:
+            check.mismatch("a factored second moment on a parameter that is not a plain matrix")
+        assert matrix is not None
+        for key in ("v_row", "v_col"):
+            if key not in entry:
+                check.fail(f"missing key '{key}'")
+        tensors = [
+            ("v_row", check.tensor(entry, "v_row", torch.float32, (matrix[0],))),
+            ("v_col", check.tensor(entry, "v_col", torch.float32, (matrix[1],))),
+        ]
+    for key, tensor in tensors:
+        check.non_negative(key, tensor)
+        if check.values and v_step == 0 and bool(tensor.any()):
+            check.fail(f"'{key}' must be all zero while 'v_step' is 0")
+    return "block" if block else "factored"
+
+
+def _check_extras(check: _EntryCheck, entry: Mapping[str, Any]) -> None:
+    for key, (shape, dtype) in check.spec.extra_pairs.items():
+        if key not in entry:
+            continue
+        value = entry[key]
+        if isinstance(value, Tensor):
+            check.tensor(entry, key, dtype, tuple(shape))
+        elif not _is_exact_int(value) or value < 0:
+            check.fail(f"'{key}' must be a tensor or an int >= 0")
+
+
+def _validate(entry: object, where: str, spec: EntrySpec, values: bool) -> str:
+    check = _EntryCheck(where, spec, values)
+    if not isinstance(entry, Mapping):
+        check.fail(f"entry must be a dict, got {type(entry).__name__}")
+    assert isinstance(entry, Mapping)
+    allowed = _allowed_keys(spec)
+    for key in entry:
+        if key not in allowed:
+            check.fail(f"unknown state key {key!r}")
+    period = _check_period(check, entry)
+    if "step" not in entry:
+        others = [key for key in entry if key != "period"]
+        if others:
+            check.fail(f"an entry without 'step' holds {others[0]!r}")
+        return "uninitialized"
+    if period == 0:
+        check.fail("an initialized entry needs a period > 0")
+    grid = (spec.numel // period, period)
+    codec = _check_momentum(check, entry, grid)
+    _, v_step = _check_counters(check, entry)
+    _check_extras(check, entry)
+    if spec.second_moment is None:
+        return codec
+    return f"{codec}_{_check_second_moment(check, entry, grid[0], v_step)}"
+
+
+def validate_entry(
+    entry: object,
+    *,
+    where: str,
+    numel: int,
+    matrix_shape: tuple[int, int] | None,
+    codec_keys: CodecKeys,
+    dense_dtype: torch.dtype,
+    dense_shape: tuple[int, ...] | None,
+    second_moment: Family | None,
+    extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> str:
+    """The one entry validator (10-core.md §8.3); returns the matched variant name.
+
+    Variants: ``"uninitialized"`` (pristine or period-selected), ``"q8_block"``,
+    ``"q8_factored"``, ``"fp32_block"``, ``"fp32_factored"``; without a second moment
+    (``second_moment=None``) ``"q8"`` or ``"fp32"``. The family is read from the entry: a family
+    other than ``second_moment`` is accepted when it fits the parameter, so the caller can
+    migrate it (§8.4); the codec is read from the momentum keys, so the caller rejects the other
+    codec. Raises ValueError ``"{where}: <rule>"``; nothing is modified.
+    """
+    spec = EntrySpec(
+        numel, matrix_shape, codec_keys, dense_dtype, dense_shape, second_moment,
+        dict(extra_pairs or {}),
+    )  # fmt: skip
+    return _validate(entry, where, spec, values=True)
+
+
+def entry_matches(entry: Mapping[str, Any], spec: EntrySpec) -> str | None:
+    """Step-time structural check (no value scan): None when the entry fits, else the reason."""
+    try:
+        _validate(entry, "entry", spec, values=False)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _family_tensors(
+    family: Family, spec: EntrySpec, blocks: int, device: torch.device
+) -> dict[str, Tensor]:
+    if family == "block":
+        return {"v_block": torch.zeros(blocks, 1, dtype=torch.float32, device=device)}
+    assert spec.matrix_shape is not None
+    rows, cols = spec.matrix_shape
+    return {
+        "v_row": torch.zeros(rows, dtype=torch.float32, device=device),
+        "v_col": torch.zeros(cols, dtype=torch.float32, device=device),
+    }
+
+
+def allocate_entry(
+    spec: EntrySpec, period: int, *, codebook8: bool, device: torch.device
+) -> dict[str, Any]:
+    """A new initialized entry: zero tensors, counters at 0 (incremented before use, §3.2)."""
+    blocks = spec.numel // period
+    entry: dict[str, Any] = {"period": period, "step": 0}
+    keys = spec.codec_keys
+    if codebook8:
+        entry[keys.codes] = torch.zeros(blocks, period, dtype=torch.uint8, device=device)
+        entry[keys.scale] = torch.zeros(blocks, 1, dtype=torch.float32, device=device)
+    else:
+        shape = spec.dense_shape if spec.dense_shape is not None else (blocks, period)
+        entry[keys.dense] = torch.zeros(shape, dtype=spec.dense_dtype, device=device)
+    if spec.second_moment is not None:
+        entry.update(_family_tensors(spec.second_moment, spec, blocks, device))
+        entry["v_step"] = 0
+    return entry
+
+
+def migrate_family(
+    entry: Mapping[str, Any], spec: EntrySpec, device: torch.device
+) -> dict[str, Any]:
+    """A new entry with the family ``spec.second_moment`` selects, zeroed, ``v_step = 0`` (§8.4).
+
+    ``step`` and the momentum carry over; the old family's tensors are dropped.
+    """
+    assert spec.second_moment is not None
+    dropped = {key for keys in FAMILY_KEYS.values() for key in keys}
+    migrated = {key: value for key, value in entry.items() if key not in dropped}
+    blocks = spec.numel // int(entry["period"])
+    migrated.update(_family_tensors(spec.second_moment, spec, blocks, device))
+    migrated["v_step"] = 0
+    return migrated

@@ -1,0 +1,149 @@
+"""Rank-local gradient checks shared by every Gefen optimizer (10-core.md §7.2, §1.1).
+
+``validate_gradient_structure`` holds the structural rows of §7.2 (the union every optimizer
+needs, with GefenMuon's 2-D rule behind ``require_2d``); ``check_finite_gradients`` holds the
+finiteness row. Both only read: no collective, no mutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "NonFiniteGradientError",
+    "check_finite_gradients",
+    "iter_parameters",
+    "parameter_label",
+    "validate_gradient_structure",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Parameter dtypes every Gefen optimizer accepts (10-core.md §2.3)."""
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A gradient holds NaN or ±Inf; raised before anything is mutated (10-core.md §7.2)."""
+
+
+def parameter_label(group: Mapping[str, Any], group_index: int, position: int) -> str:
+    """The parameter's name when its group is named, else ``param_groups[g][i]``."""
+    names = group.get("param_names")
+    if isinstance(names, Sequence) and position < len(names):
+        return repr(names[position])
+    return f"param_groups[{group_index}][{position}]"
+
+
+def iter_parameters(
+    param_groups: Iterable[Mapping[str, Any]],
+) -> Iterator[tuple[str, Tensor]]:
+    """Every parameter with its label, in group order and then parameter order."""
+    for group_index, group in enumerate(param_groups):
+        for position, param in enumerate(group["params"]):
+            yield parameter_label(group, group_index, position), param
+
+
+def is_dtensor(tensor: object) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _check_layout(label: str, param: Tensor, grad: Tensor) -> None:
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise RuntimeError(
+            f"parameter {label} has a sparse or non-strided gradient ({grad.layout}); "
+            "Gefen optimizers need dense strided gradients"
+        )
+    if grad.is_complex():
+        raise RuntimeError(f"parameter {label} has a complex gradient ({grad.dtype})")
+    if is_dtensor(param) != is_dtensor(grad):
+        raise RuntimeError(
+            f"parameter {label}: the gradient placement differs from the parameter's "
+            "(a DTensor gradient iff a DTensor parameter)"
+        )
+    if is_dtensor(param):
+        p_spec, g_spec = param.device_mesh, grad.device_mesh  # type: ignore[attr-defined]
+        if p_spec != g_spec or tuple(param.placements) != tuple(grad.placements):  # type: ignore[attr-defined]
+            raise RuntimeError(
+                f"parameter {label}: the gradient placement (mesh or placements) differs"
+            )
+
+
+def _check_geometry(label: str, param: Tensor, grad: Tensor) -> None:
+    if grad.shape != param.shape:
+        raise RuntimeError(
+            f"parameter {label}: gradient shape {tuple(grad.shape)} differs from the "
+            f"parameter shape {tuple(param.shape)}"
+        )
+    grad_device, param_device = local_tensor(grad).device, local_tensor(param).device
+    if grad_device != param_device:
+        raise RuntimeError(
+            f"parameter {label}: the gradient must be on the same device as the parameter "
+            f"({grad_device} vs {param_device})"
+        )
+    if grad.dtype != param.dtype:
+        raise RuntimeError(
+            f"parameter {label}: gradient dtype {grad.dtype} differs from the parameter "
+            f"dtype {param.dtype}"
+        )
+
+
+def _check_parameter(label: str, param: Tensor, owner: str, require_2d: bool) -> None:
+    if require_2d and param.dim() != 2:
+        raise ValueError(
+            f"{owner} found a {param.dim()}-D parameter {label} at step time: a wrapper (e.g. "
+            "DeepSpeed ZeRO's 1-D fp32 partitions) replaced the parameters; Muon cannot be "
+            "applied to a flat partition; use plain Gefen"
+        )
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise RuntimeError(
+            f"parameter {label} has an unsupported dtype {param.dtype} "
+            "(float16, bfloat16, float32 or float64)"
+        )
+    if local_tensor(param).device.type == "meta":
+        raise RuntimeError(f"parameter {label} must be materialized (it is on the meta device)")
+
+
+def validate_gradient_structure(
+    param_groups: Iterable[Mapping[str, Any]], *, owner: str, require_2d: bool
+) -> None:
+    """The structural checks of §7.2 over every parameter of every group; the first failure
+    raises, naming the parameter. Parameters without a gradient get the parameter checks only.
+    """
+    for label, param in iter_parameters(param_groups):
+        _check_parameter(label, param, owner, require_2d)
+        grad = param.grad
+        if grad is None:
+            continue
+        _check_layout(label, param, grad)
+        _check_geometry(label, param, grad)
+
+
+def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
+    """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient.
+
+    One reduction per gradient and a single host synchronisation for the whole step.
+    """
+    labelled = [
+        (label, local_tensor(param.grad))
+        for label, param in iter_parameters(param_groups)
+        if param.grad is not None
+    ]
+    if not labelled:
+        return
+    with torch.no_grad():
+        flags = [torch.isfinite(grad).all().reshape(1).cpu() for _, grad in labelled]
+        finite = torch.cat(flags).tolist()
+    for (label, _), ok in zip(labelled, finite, strict=True):
+        if not ok:
+            raise NonFiniteGradientError(
+                f"parameter {label} has a non-finite gradient (NaN or Inf)"
+            )

@@ -1,0 +1,362 @@
+"""state_dict / load_state_dict (10-core.md §8; §12 #46–#52, #59 single-process parts)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+from gefen.core import Gefen
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(12, 16, generator=generator)),
+        torch.nn.Parameter(torch.randn(24, generator=generator)),
+    ]
+
+
+def _grads(params, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+def _trained(steps: int = 3, **options) -> tuple[Gefen, list[torch.nn.Parameter]]:
+    params = _params()
+    optimizer = Gefen([{"params": [params[0]]}, {"params": [params[1]], "lr": 0.01}], **options)
+    for seed in range(steps):
+        _grads(params, seed)
+        optimizer.step()
+    return optimizer, params
+
+
+def _roundtrip(sd):
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:
+    optimizer, params = _trained()
+    sd = optimizer.state_dict()
+    loaded = _roundtrip(sd)
+    extras = sd["gefen"]
+    assert set(extras) == {
+        "format_version",
+        "global_step",
+        "codebook",
+        "deterministic",
+        "momentum_codec",
+        "initialized_params",
+    }
+    for group in sd["param_groups"]:
+        assert group["gefen"] is not extras
+        assert group["gefen"].keys() == extras.keys()
+        assert torch.equal(group["gefen"]["codebook"], extras["codebook"])
+    assert extras["initialized_params"] == [0, 1]
+    assert extras["global_step"] == 3
+    assert set(sd["state"]) == {0, 1}
+    assert loaded["gefen"]["global_step"] == 3
+    snapshot = copy.deepcopy(extras)
+    _grads(params, 9)
+    optimizer.step()
+    assert extras["global_step"] == snapshot["global_step"]
+    assert torch.equal(extras["codebook"], snapshot["codebook"])
+
+
+RESUME_OPTIONS = [
+    {},
+    {"momentum_codec": "none"},
+    {"factored_v_2d": False},
+    {"stochastic_round": True},
+    {"codebook_refresh_every": 2},
+]
+
+
+@pytest.mark.parametrize("options", RESUME_OPTIONS)
+def test_resume_is_bit_exact(options: dict) -> None:
+    optimizer, params = _trained(3, **options)
+    sd = _roundtrip(optimizer.state_dict())
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = Gefen(
+        [{"params": [twin_params[0]]}, {"params": [twin_params[1]], "lr": 0.01}], **options
+    )
+    twin.load_state_dict(sd)
+    for seed in range(10, 15):
+        _grads(params, seed)
+        _grads(twin_params, seed)
+        optimizer.step()
+        twin.step()
+        for ours, theirs in zip(params, twin_params, strict=True):
+            assert torch.equal(ours, theirs)
+    assert twin.global_step == optimizer.global_step
+
+
+def test_successful_load_identity_hooks_and_twice() -> None:
+    optimizer, _ = _trained()
+    sd = optimizer.state_dict()
+    reference = copy.deepcopy(sd)
+    target, _ = _trained(1)
+    calls: list[str] = []
+    target.register_load_state_dict_pre_hook(lambda opt, d: calls.append("pre"))
+    target.register_load_state_dict_post_hook(lambda opt: calls.append("post"))
+    old_state, defaults = target.state, target.defaults
+    target.load_state_dict(sd)
+    assert target.state is not old_state
+    assert target.defaults is defaults
+    assert calls == ["pre", "post"]
+    target.load_state_dict(sd)
+    assert target.global_step == 3
+    assert sd.keys() == reference.keys()
+    assert sd["param_groups"][0].keys() == reference["param_groups"][0].keys()
+    assert sd["state"][0].keys() == reference["state"][0].keys()
+
+
+def _corrupt(mutator):
+    optimizer, _ = _trained()
+    sd = copy.deepcopy(optimizer.state_dict())
+    mutator(sd)
+    return sd
+
+
+def _both(sd, key, value):
+    sd["gefen"][key] = value
+    for group in sd["param_groups"]:
+        group["gefen"][key] = value
+
+
+def _other_codec_entry(sd) -> None:
+    entry = sd["state"][1]
+    del entry["momentum_codes"], entry["momentum_scale"]
+    entry["momentum"] = torch.zeros(entry["v_block"].shape[0], 24 // entry["v_block"].shape[0])
+
+
+REJECTIONS = [
+    ("state not a dict", lambda sd: sd.__setitem__("state", []), "'state' must be a dict"),
+    ("group count", lambda sd: sd["param_groups"].pop(), "group count"),
+    ("params length", lambda sd: sd["param_groups"][0]["params"].append(7), "'params' must list"),
+    ("duplicate ids", lambda sd: sd["param_groups"][1].__setitem__("params", [0]), "unique"),
+    (
+        "unknown state id",
+        lambda sd: sd["state"].__setitem__(9, {"period": 0}),
+        "unknown parameter id",
+    ),
+    (
+        "only some groups",
+        lambda sd: sd["param_groups"][1].pop("gefen"),
+        "only some parameter groups",
+    ),
+    (
+        "copies differ",
+        lambda sd: sd["param_groups"][0]["gefen"].__setitem__("global_step", 99),
+        "differ",
+    ),
+    ("unknown extras", lambda sd: _both(sd, "colour", 1), "unknown extras key 'colour'"),
+    ("format", lambda sd: _both(sd, "format_version", 2), "format_version"),
+    ("global step", lambda sd: _both(sd, "global_step", True), "global_step"),
+    ("deterministic", lambda sd: _both(sd, "deterministic", True), "deterministic"),
+    ("codec", lambda sd: _both(sd, "momentum_codec", "none"), "momentum_codec"),
+    ("codebook", lambda sd: _both(sd, "codebook", torch.zeros(256)), "invalid codebook"),
+    ("no codebook", lambda sd: _both(sd, "codebook", None), "codes but no codebook"),
+    ("initialized", lambda sd: sd["state"].__setitem__(1, {"period": 0}), "initialized_params"),
+    (
+        "rank local",
+        lambda sd: _both(sd, "rank_local", {"version": 1}),
+        "rank-local checkpoint topology differs",
+    ),
+    ("scope", lambda sd: _both(sd, "scope", {"identity": None}), "codebook scope"),
+    (
+        "group option",
+        lambda sd: sd["param_groups"][0].__setitem__("eps", -1.0),
+        "Invalid epsilon value",
+    ),
+    (
+        "names",
+        lambda sd: sd["param_groups"][0].__setitem__("param_names", ["a", "b"]),
+        "param_names",
+    ),
+    ("entry type", lambda sd: sd["state"].__setitem__(0, [1]), "entry must be a dict"),
+    (
+        "entry key",
+        lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(1)),
+        "unknown state key 'exp_avg'",
+    ),
+    (
+        "period",
+        lambda sd: sd["state"][1].__setitem__("period", 5),
+        "state does not match parameter",
+    ),
+    ("step bool", lambda sd: sd["state"][1].__setitem__("step", True), "'step' must be an int"),
+    ("v_step", lambda sd: sd["state"][1].__setitem__("v_step", 99), "v_step"),
+    (
+        "codes dtype",
+        lambda sd: sd["state"][1].__setitem__(
+            "momentum_codes", sd["state"][1]["momentum_codes"].int()
+        ),
+        "uint8",
+    ),
+    (
+        "scale negative",
+        lambda sd: sd["state"][1].__setitem__(
+            "momentum_scale", -sd["state"][1]["momentum_scale"] - 1
+        ),
+        ">= 0",
+    ),
+    (
+        "v not finite",
+        lambda sd: sd["state"][1].__setitem__("v_block", sd["state"][1]["v_block"] * float("nan")),
+        "finite",
+    ),
+    (
+        "row shape",
+        lambda sd: sd["state"][0].__setitem__("v_row", torch.zeros(5)),
+        "state does not match parameter",
+    ),
+    ("other codec", lambda sd: sd["state"][1].__setitem__("momentum", torch.zeros(1, 24)), "both"),
+    (
+        "no extras",
+        lambda sd: [sd.pop("gefen"), *(g.pop("gefen") for g in sd["param_groups"])],
+        "missing",
+    ),
+    ("positions", lambda sd: _both(sd, "initialized_params", [0, 1, 7]), "out of range"),
+    ("codec entry", _other_codec_entry, "other momentum codec"),
+    ("v_step zero", lambda sd: sd["state"][1].__setitem__("v_step", 0), "all zero"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "mutator", "fragment"), REJECTIONS, ids=[r[0] for r in REJECTIONS]
+)
+def test_every_rule_rejects_without_change(name: str, mutator, fragment: str, rejects) -> None:
+    sd = _corrupt(mutator)
+    pristine = copy.deepcopy(sd)
+    target, _ = _trained(2)
+    fired: list[str] = []
+    target.register_load_state_dict_post_hook(lambda opt: fired.append("post"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rejects(target, lambda: target.load_state_dict(sd), ValueError, "Gefen checkpoint: ")
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+            target.load_state_dict(sd)
+    assert fired == []
+    _assert_same(sd, pristine)
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b or (a != a and b != b)
+
+
+def test_rejected_last_entry_then_continuation_matches_control() -> None:
+    bad = _corrupt(lambda sd: sd["state"][1].__setitem__("period", 5))
+    runs = []
+    for attempt in (False, True):
+        optimizer, params = _trained(2)
+        if attempt:
+            with pytest.raises(ValueError, match="Gefen checkpoint"):
+                optimizer.load_state_dict(bad)
+        for seed in range(20, 23):
+            _grads(params, seed)
+            optimizer.step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("saved_factored", [True, False])
+def test_family_migration_on_load(saved_factored: bool) -> None:
+    optimizer, params = _trained(5, factored_v_2d=saved_factored)
+    sd = optimizer.state_dict()
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = Gefen(
+        [{"params": [twin_params[0]]}, {"params": [twin_params[1]], "lr": 0.01}],
+        factored_v_2d=not saved_factored,
+    )
+    sd["param_groups"][0]["factored_v_2d"] = not saved_factored
+    with pytest.warns(UserWarning, match="second-moment family"):
+        twin.load_state_dict(sd)
+    entry = twin.state[twin_params[0]]
+    assert entry["v_step"] == 0
+    assert entry["step"] == 5
+    assert ("v_row" in entry) == (not saved_factored)
+    for seed in range(3):
+        _grads(twin_params, seed)
+        twin.step()
+    assert entry["step"] == 8
+    assert entry["v_step"] == 3
+
+
+def test_family_migration_at_step_when_group_edited() -> None:
+    optimizer, params = _trained(2)
+    optimizer.param_groups[0]["factored_v_2d"] = False
+    _grads(params, 5)
+    with pytest.warns(UserWarning, match="second moment"):
+        optimizer.step()
+    assert "v_block" in optimizer.state[params[0]]
+    assert optimizer.state[params[0]]["v_step"] == 1
+
+
+def test_named_state_dict_replaces_names_with_warning() -> None:
+    a, b = _params()
+    optimizer = Gefen([("a", a), ("b", b)])
+    sd = optimizer.state_dict()
+    sd["param_groups"][0]["param_names"] = ["a", "B"]
+    with pytest.warns(UserWarning, match="'B' replaces 'b'"):
+        optimizer.load_state_dict(sd)
+    assert optimizer.param_groups[0]["param_names"] == ["a", "B"]
+
+
+def test_shape_changed_parameter_rejected_on_load_and_at_step() -> None:
+    optimizer, params = _trained(2)
+    sd = optimizer.state_dict()
+    reshaped = [torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(24))]
+    other = Gefen([{"params": [reshaped[0]]}, {"params": [reshaped[1]], "lr": 0.01}])
+    with pytest.raises(ValueError, match="state does not match parameter"):
+        other.load_state_dict(sd)
+    params[0].data = torch.randn(16, 12)
+    params[0].grad = torch.randn(16, 12)
+    with pytest.raises(RuntimeError, match="state does not match parameter"):
+        optimizer.step()
+
+
+def test_frozen_parameter_listed_but_dropped_keeps_live_entry() -> None:
+    optimizer, params = _trained(2)
+    sd = optimizer.state_dict()
+    del sd["state"][1]
+    params[1].requires_grad_(False)
+    live = optimizer.state[params[1]]
+    with pytest.warns(UserWarning, match="frozen parameter"):
+        optimizer.load_state_dict(sd)
+    assert torch.equal(optimizer.state[params[1]]["momentum_codes"], live["momentum_codes"])
+
+
+def test_state_nbytes() -> None:
+    matrix = torch.nn.Parameter(torch.randn(256, 384))
+    vector = torch.nn.Parameter(torch.randn(1000))
+    optimizer = Gefen([matrix, vector])
+    assert optimizer.state_nbytes() == 0
+    matrix.grad, vector.grad = torch.randn(256, 384), torch.randn(1000)
+    optimizer.step()
+    p_matrix = optimizer.state[matrix]["period"]
+    p_vector = optimizer.state[vector]["period"]
+    n = 256 * 384
+    expected_matrix = n + 4 * n // p_matrix + 4 * (256 + 384)
+    expected_vector = 1000 + 8 * 1000 // p_vector
+    assert optimizer.state_nbytes() == expected_matrix + expected_vector + 1024

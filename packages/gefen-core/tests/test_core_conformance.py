@@ -1,0 +1,215 @@
+"""torch.optim conformance (60-quality.md "torch optimizer conformance"; §12 #57)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from gefen.core import Gefen
+
+
+def _regression(optimizer_factory, scheduler: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x = torch.randn(128, 10)
+    y = x @ torch.randn(10, 1)
+    optimizer = optimizer_factory(model.parameters())
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 60) if scheduler else None
+    losses = []
+    for _ in range(60):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_loss_decreases(scheduler: bool) -> None:
+    losses = _regression(lambda p: Gefen(p, lr=0.01), scheduler)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_per_group_lr_and_weight_decay() -> None:
+    a, b, c = (torch.nn.Parameter(torch.ones(4, 4)) for _ in range(3))
+    optimizer = Gefen(
+        [
+            {"params": [a], "lr": 0.1},
+            {"params": [b], "lr": 0.0},
+            {"params": [c], "lr": 0.1, "weight_decay": 1.0},
+        ]
+    )
+    for p in (a, b, c):
+        p.grad = torch.ones(4, 4)
+    optimizer.step()
+    assert torch.equal(b, torch.ones(4, 4))  # lr 0 group unchanged
+    assert float(a.detach().mean()) == pytest.approx(0.9, abs=1e-3)
+    assert float(c.detach().mean()) == pytest.approx(1 * (1 - 0.1) - 0.1, abs=1e-3)
+
+
+def test_zero_grads_with_zero_weight_decay_leave_params_unchanged() -> None:
+    a = torch.nn.Parameter(torch.randn(6, 6))
+    optimizer = Gefen([a])
+    a.grad = torch.randn(6, 6)
+    optimizer.step()
+    before = a.detach().clone()
+    optimizer.zero_grad()
+    optimizer.step()  # no grads: nothing moves, the step still counts
+    assert torch.equal(a, before)
+    assert optimizer.global_step == 2
+    state = optimizer.state[a]["step"]
+    a.grad = torch.zeros(6, 6)
+    for _ in range(3):
+        optimizer.step()
+    assert optimizer.state[a]["step"] == state + 3
+    # zero gradients with wd=0 keep a decaying momentum, so only the very first moment is static:
+    fresh = torch.nn.Parameter(torch.randn(5))
+    zero_only = Gefen([torch.nn.Parameter(torch.randn(3)), fresh])
+    zero_only.param_groups[0]["params"][0].grad = torch.ones(3)
+    zero_only.step()
+    fresh.grad = torch.zeros(5)
+    before_fresh = fresh.detach().clone()
+    zero_only.step()
+    assert torch.equal(fresh, before_fresh)
+
+
+def test_state_dict_roundtrip_lockstep_and_weights_only(tmp_path) -> None:
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(8, 8))
+    optimizer = Gefen([a], lr=0.01)
+    for _ in range(3):
+        a.grad = torch.randn(8, 8)
+        optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    twin_param = torch.nn.Parameter(a.detach().clone())
+    twin = Gefen([twin_param], lr=0.01)
+    twin.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    for _ in range(3):
+        grad = torch.randn(8, 8)
+        a.grad, twin_param.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        twin.step()
+        assert torch.equal(a, twin_param)
+
+
+def test_hooks_fire_in_torch_order() -> None:
+    a = torch.nn.Parameter(torch.randn(4))
+    optimizer = Gefen([a])
+    order: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: order.append("global pre")),
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: order.append("global post")),
+    ]
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: order.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: order.append("post"))
+    optimizer.register_state_dict_pre_hook(lambda opt: order.append("sd pre"))
+    optimizer.register_state_dict_post_hook(lambda opt, sd: order.append("sd post"))
+    optimizer.register_load_state_dict_pre_hook(lambda opt, sd: order.append("load pre"))
+    optimizer.register_load_state_dict_post_hook(lambda opt: order.append("load post"))
+    try:
+        a.grad = torch.ones(4)
+        optimizer.step()
+        optimizer.load_state_dict(optimizer.state_dict())
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert order == [
+        "global pre",
+        "pre",
+        "post",
+        "global post",
+        "sd pre",
+        "sd post",
+        "load pre",
+        "load post",
+    ]
+
+
+def test_post_hooks_skip_on_raise_and_pre_hook_can_replace_args() -> None:
+    a = torch.nn.Parameter(torch.randn(4))
+    optimizer = Gefen([a])
+    fired: list[str] = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: fired.append("post"))
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: ((opt,), {"closure": lambda: 7.0}))
+    a.grad = torch.ones(4)
+    assert optimizer.step() == 7.0
+    a.grad = torch.full((4,), float("nan"))
+    with pytest.raises(RuntimeError):
+        optimizer.step()
+    assert fired == ["post"]
+
+
+def test_deepcopy_hooks_fire_once_per_step_with_scheduler() -> None:
+    a = torch.nn.Parameter(torch.randn(4))
+    optimizer = Gefen([a], lr=0.1)
+    counts = {"pre": 0, "post": 0}
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: counts.__setitem__("pre", counts["pre"] + 1)
+    )
+    optimizer.register_step_post_hook(
+        lambda opt, args, kwargs: counts.__setitem__("post", counts["post"] + 1)
+    )
+    torch.optim.lr_scheduler.StepLR(optimizer, 2)
+    copies = [copy.deepcopy(optimizer)]
+    copies.append(copy.deepcopy(copies[0]))
+    assert "step" not in copies[0].__dict__  # the scheduler's instance-level wrapper is not copied
+    a.grad = torch.ones(4)
+    optimizer.step()
+    assert counts == {"pre": 1, "post": 1}
+    copy_param = copies[1].param_groups[0]["params"][0]
+    copy_param.grad = torch.ones(4)
+    before = a.detach().clone()
+    copies[1].step()
+    assert counts == {"pre": 2, "post": 2}
+    assert torch.equal(a, before)
+    assert copies[1].global_step == 1
+    assert len(copies[1].defaults) == 13
+
+
+def test_load_state_dict_by_keyword() -> None:
+    a = torch.nn.Parameter(torch.randn(4))
+    optimizer = Gefen([a])
+    a.grad = torch.ones(4)
+    optimizer.step()
+    other = Gefen([torch.nn.Parameter(a.detach().clone())])
+    other.load_state_dict(state_dict=optimizer.state_dict())
+    assert other.global_step == 1
+
+
+def test_add_param_group_after_training_starts() -> None:
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(16))
+    optimizer = Gefen([a])
+    a.grad = torch.randn(8)
+    optimizer.step()
+    codebook = optimizer.codebook
+    optimizer.add_param_group({"params": [b], "lr": 0.01})
+    assert optimizer.state[b] == {"period": 0}
+    b.grad = torch.randn(16)
+    optimizer.step()
+    assert optimizer.codebook is codebook
+    assert optimizer.state[b]["step"] == 1
+
+
+def test_named_and_unnamed_state_dicts_load_into_each_other() -> None:
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(6, 4))
+    named = Gefen([("layer.weight", a)])
+    a.grad = torch.randn(6, 4)
+    named.step()
+    unnamed = Gefen([torch.nn.Parameter(a.detach().clone())])
+    unnamed.load_state_dict(named.state_dict())
+    assert unnamed.param_groups[0]["param_names"] == ["layer.weight"]
+    assert unnamed.global_step == 1
+    other = Gefen([("layer.weight", torch.nn.Parameter(a.detach().clone()))])
+    sd = Gefen([torch.nn.Parameter(a.detach().clone())]).state_dict()
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["param_names"] == ["layer.weight"]

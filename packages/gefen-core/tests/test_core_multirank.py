@@ -1,0 +1,249 @@
+"""FSDP2 / DTensor on Gloo with real ``fully_shard`` (10-core.md §7, §8.2, §8.5, §9; §12 #49, #59).
+
+All scenarios share one spawned 2-rank world (process start-up dominates on this machine).
+Scenario functions are module-level so the spawned children can load them by reference.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+
+pytestmark = [pytest.mark.multirank, gloo_required()]
+
+DEADLINE_S = 30.0  # the liveness bound asserted for one failing operation
+
+
+def _sharded_model(seed: int = 0) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(rank: int, seed: int) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(seed * 10 + rank))
+
+
+def _train(model: Any, optimizer: Any, rank: int, seeds: range) -> None:
+    for seed in seeds:
+        optimizer.zero_grad()
+        model(_batch(rank, seed)).square().mean().backward()
+        optimizer.step()
+
+
+def _snapshot(optimizer: Any) -> Any:
+    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+    from gefen.dist.testing import deep_snapshot
+
+    return deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+
+
+def _changes(optimizer: Any, before: Any) -> list[str]:
+    from gefen.dist.testing import snapshot_diff
+
+    return snapshot_diff(before, _snapshot(optimizer))
+
+
+def scenario_train_block_family(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    first = model(_batch(rank, 0)).square().mean().item()
+    _train(model, optimizer, rank, range(5))
+    entries = list(optimizer.state.values())
+    return {
+        "scope": len(optimizer.step_failure_scope()),
+        "global_step": optimizer.global_step,
+        "families": sorted({"v_block" in e for e in entries}),
+        "amp": optimizer._step_supports_amp_scaling,
+        "moved": first != model(_batch(rank, 0)).square().mean().item(),
+        "rank_local": "rank_local" in optimizer.state_dict()["gefen"],
+    }
+
+
+def scenario_one_rank_closure_failure(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    model(_batch(rank, 7)).square().mean().backward()
+    before = _snapshot(optimizer)
+
+    def closure() -> None:
+        if rank == 1:
+            raise KeyError("closure failed on rank 1")
+
+    elapsed, error, _ = timed(lambda: optimizer.step(closure))
+    changes = _changes(optimizer, before)
+    optimizer.step()  # still trains, together
+    return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
+
+
+def scenario_one_rank_load_rejection(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+    from gefen.dist import DistributedStepError
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    sd = optimizer.state_dict()
+    if rank == 1:
+        sd["gefen"]["colour"] = "red"
+        for group in sd["param_groups"]:
+            group["gefen"]["colour"] = "red"
+    fired: list[int] = []
+    optimizer.register_load_state_dict_post_hook(lambda opt: fired.append(1))
+    before = _snapshot(optimizer)
+    cause = None
+    message = None
+    try:
+        optimizer.load_state_dict(sd)
+    except DistributedStepError as error:
+        message = str(error)
+        cause = (
+            None
+            if error.__cause__ is None
+            else f"{type(error.__cause__).__name__}: {error.__cause__}"
+        )
+    return {
+        "message": message,
+        "cause": cause,
+        "changes": _changes(optimizer, before),
+        "hooks": fired,
+    }
+
+
+def scenario_rank_local_refusal(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from gefen.core import Gefen
+    from gefen.dist import DistributedStepError
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    files: list[Any] = [None, None]
+    dist.all_gather_object(files, buffer.getvalue())
+    other = torch.load(io.BytesIO(files[1 - rank]), weights_only=True)
+    own = torch.load(io.BytesIO(files[rank]), weights_only=True)
+    causes = []
+    try:
+        optimizer.load_state_dict(other)
+    except DistributedStepError as error:
+        causes.append(str(error.__cause__))
+    optimizer.load_state_dict(own)  # its own file loads
+    return {"causes": causes, "step": optimizer.global_step}
+
+
+def scenario_dcp_round_trip(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    fresh_model = _sharded_model()
+    fresh = Gefen(fresh_model.parameters(), lr=0.01)
+    get_optimizer_state_dict(fresh_model, fresh)
+    pristine = fresh.global_step == 0 and all(e == {"period": 0} for e in fresh.state.values())
+    _train(model, optimizer, rank, range(3))
+    osd = get_optimizer_state_dict(model, optimizer)
+    fresh_model.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(fresh_model, fresh, osd)
+    _train(model, optimizer, rank, range(5, 8))
+    _train(fresh_model, fresh, rank, range(5, 8))
+    same = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True)
+    )
+    return {"pristine": pristine, "same": same, "step": fresh.global_step}
+
+
+SCENARIOS = [
+    ("train", scenario_train_block_family, ()),
+    ("closure", scenario_one_rank_closure_failure, ()),
+    ("load", scenario_one_rank_load_rejection, ()),
+    ("rank_local", scenario_rank_local_refusal, ()),
+    ("dcp", scenario_dcp_round_trip, ()),
+]
+
+
+@pytest.fixture(scope="module")
+def world() -> ScenarioWorld:
+    return run_scenarios(SCENARIOS, 2, rank_deadline_s=400.0, pg_timeout_s=120.0)
+
+
+@pytest.mark.smoke
+def test_fsdp2_trains_local_shards_with_block_family(world: ScenarioWorld) -> None:
+    for result in world["train"]:
+        assert result == {
+            "scope": 1,
+            "global_step": 5,
+            "families": [True],
+            "amp": True,
+            "moved": True,
+            "rank_local": True,
+        }
+
+
+@pytest.mark.smoke
+def test_one_rank_closure_failure_fails_every_rank_with_nothing_mutated(
+    world: ScenarioWorld,
+) -> None:
+    first, second = world["closure"]
+    assert (
+        first["error"]
+        == "DistributedStepError: Gefen step preflight failed on another process-group member"
+    )
+    assert second["error"].startswith(
+        "DistributedStepError: Gefen step preflight failed on local rank 1"
+    )
+    for result in (first, second):
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        assert result["step"] == 3
+
+
+def test_one_rank_load_rejection_raises_everywhere_and_commits_nowhere(
+    world: ScenarioWorld,
+) -> None:
+    first, second = world["load"]
+    assert first["message"] == "Gefen load validation failed on another process-group member"
+    assert second["message"].startswith(
+        "Gefen load validation failed on local rank 1: Gefen checkpoint:"
+    )
+    assert second["cause"] == "ValueError: Gefen checkpoint: unknown extras key 'colour'"
+    for result in (first, second):
+        assert result["changes"] == []
+        assert result["hooks"] == []
+
+
+def test_other_ranks_file_refused_via_rank_local(world: ScenarioWorld) -> None:
+    for result in world["rank_local"]:
+        assert len(result["causes"]) == 1
+        assert "Gefen checkpoint: rank-local checkpoint topology differs" in result["causes"][0]
+        assert result["step"] == 2
+
+
+def test_dcp_round_trip_on_fsdp2(world: ScenarioWorld) -> None:
+    for result in world["dcp"]:
+        assert result == {"pristine": True, "same": True, "step": 6}

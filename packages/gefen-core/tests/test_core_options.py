@@ -1,0 +1,285 @@
+"""Constructor, options, groups and names (10-core.md §2; §12 #1–#11)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from gefen.core import Gefen
+
+GROUP_CASES = [
+    ({"lr": torch.tensor([0.1, 0.2])}, ValueError, "lr as a Tensor must be 1-element"),
+    ({"lr": -1.0}, ValueError, "Invalid learning rate"),
+    ({"lr": math.nan}, ValueError, "Invalid learning rate"),
+    ({"lr": math.inf}, ValueError, "Invalid learning rate"),
+    ({"lr": True}, ValueError, "Invalid learning rate"),
+    ({"betas": (1.0, 0.9)}, ValueError, "Invalid beta parameter at index 0"),
+    ({"betas": (0.9, math.nan)}, ValueError, "Invalid beta parameter at index 1"),
+    ({"betas": (0.9, -0.1)}, ValueError, "Invalid beta parameter at index 1"),
+    ({"betas": (0.9,)}, ValueError, "Invalid beta parameter"),
+    ({"eps": 0.0}, ValueError, "Invalid epsilon value"),
+    ({"eps": math.inf}, ValueError, "Invalid epsilon value"),
+    ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value"),
+    ({"weight_decay": math.nan}, ValueError, "Invalid weight_decay value"),
+    ({"factored_v_2d": 1}, TypeError, "factored_v_2d must be a bool"),
+    ({"force_1d_period_one": "yes"}, TypeError, "force_1d_period_one must be a bool"),
+    ({"force_2d_period_one": None}, TypeError, "force_2d_period_one must be a bool"),
+]
+WIDE_CASES = [
+    ({"deterministic": 1}, TypeError, "deterministic must be a bool"),
+    ({"check_finite": "yes"}, TypeError, "check_finite must be a bool"),
+    ({"stochastic_round": 0}, TypeError, "stochastic_round must be a bool"),
+    ({"codebook_refresh_every": True}, TypeError, "codebook_refresh_every"),
+    ({"codebook_refresh_every": 1.0}, TypeError, "codebook_refresh_every"),
+    ({"codebook_refresh_every": -1}, ValueError, "codebook_refresh_every"),
+    ({"momentum_codec": "int4"}, ValueError, "momentum_codec must be one of"),
+    (
+        {"momentum_codec": "none", "codebook_refresh_every": 3},
+        ValueError,
+        "requires momentum_codec='codebook8'",
+    ),
+    ({"momentum_codec": "none", "stochastic_round": True}, ValueError, "requires momentum_codec"),
+    ({"fused": "yes"}, TypeError, "fused"),
+    ({"fused": True}, RuntimeError, "no fused implementation"),
+]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+
+
+@pytest.mark.parametrize(("options", "error", "fragment"), GROUP_CASES + WIDE_CASES)
+def test_invalid_constructor_option(options: dict, error: type, fragment: str) -> None:
+    with pytest.raises(error, match=fragment):
+        Gefen(_params(), **options)
+
+
+@pytest.mark.parametrize(("options", "error", "fragment"), GROUP_CASES)
+def test_invalid_group_option(options: dict, error: type, fragment: str, rejects) -> None:
+    first, second = _params()
+    with pytest.raises(error, match=fragment):
+        Gefen([{"params": [first]}, {"params": [second], **options}])
+    optimizer = Gefen([first])
+    rejects(
+        optimizer,
+        lambda: optimizer.add_param_group({"params": [second], **options}),
+        error,
+        fragment,
+    )
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize(("options", "error", "fragment"), WIDE_CASES[:7])
+def test_optimizer_wide_option_in_group_must_equal_constructor(options, error, fragment) -> None:
+    with pytest.raises(ValueError, match="optimizer-wide option"):
+        Gefen([{"params": _params(), **options}])
+
+
+def test_group_overrides_optimizer_scope_option_rejected_and_group_scope_honoured(rejects) -> None:
+    a, b = _params()
+    with pytest.raises(ValueError, match="optimizer-wide option 'stochastic_round'"):
+        Gefen([{"params": [a], "stochastic_round": True}])
+    optimizer = Gefen([{"params": [a], "lr": 0.5, "factored_v_2d": False}, {"params": [b]}], lr=0.1)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    assert optimizer.param_groups[1]["lr"] == 0.1
+    a.grad = torch.randn_like(a)
+    optimizer.step()
+    assert "v_block" in optimizer.state[a]  # factored_v_2d=False honoured for the 2-D parameter
+    rejects(
+        optimizer,
+        lambda: optimizer.add_param_group(
+            {"params": [torch.nn.Parameter(torch.ones(2))], "deterministic": True}
+        ),
+        ValueError,
+        "optimizer-wide option 'deterministic'",
+    )
+
+
+def test_lr_zero_accepted_and_tensor_lr() -> None:
+    Gefen(_params(), lr=0.0)
+    Gefen(_params(), lr=torch.tensor(0.01))
+    with pytest.raises(ValueError, match="lr as a Tensor must be 1-element"):
+        Gefen(_params(), lr=torch.tensor([0.01, 0.02]))
+
+
+def test_float_and_tensor_lr_trajectories_equal() -> None:
+    torch.manual_seed(0)
+    init = torch.randn(6, 5)
+    runs = []
+    for lr in (0.01, torch.tensor(0.01)):
+        p = torch.nn.Parameter(init.clone())
+        optimizer = Gefen([p], lr=lr, weight_decay=0.1)
+        for step in range(5):
+            p.grad = torch.sin(torch.arange(30.0).reshape(6, 5) + step)
+            optimizer.step()
+        runs.append(p.detach().clone())
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_betas_list_normalised() -> None:
+    optimizer = Gefen(_params(), betas=[0.8, 0.9])
+    assert optimizer.defaults["betas"] == (0.8, 0.9)
+    assert isinstance(optimizer.param_groups[0]["betas"], tuple)
+    extra = torch.nn.Parameter(torch.ones(3))
+    optimizer.add_param_group({"params": [extra], "betas": [0.5, 0.6]})
+    assert optimizer.param_groups[1]["betas"] == (0.5, 0.6)
+
+
+def test_bare_tensor_set_and_empty_list() -> None:
+    with pytest.raises(TypeError):
+        Gefen(torch.nn.Parameter(torch.ones(3)))
+    with pytest.raises(TypeError):
+        Gefen({torch.nn.Parameter(torch.ones(3))})
+    with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
+        Gefen([])
+
+
+def test_complex_and_integer_parameters_rejected() -> None:
+    with pytest.raises(ValueError, match="complex"):
+        Gefen([torch.zeros(3, dtype=torch.complex64, requires_grad=True)])
+    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
+        Gefen([torch.zeros(3, dtype=torch.int64)])
+
+
+def test_non_leaf_rejected() -> None:
+    leaf = torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match="non-leaf"):
+        Gefen([leaf * 2])
+
+
+def test_duplicate_tensor_rejected_in_one_group_and_across_groups(rejects) -> None:
+    a, b = _params()
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        Gefen([a, a])
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        Gefen([{"params": [a]}, {"params": [b, a]}])
+    optimizer = Gefen([a])
+    rejects(
+        optimizer,
+        lambda: optimizer.add_param_group({"params": [b, a]}),
+        ValueError,
+        "some parameters appear in more than one parameter group",
+    )
+    assert len(optimizer.param_groups) == 1
+    assert b not in optimizer.state
+
+
+def test_add_param_group_with_invalid_second_tensor_changes_nothing(rejects) -> None:
+    a, b = _params()
+    optimizer = Gefen([("first", a)])
+    group = {"params": [("second", b), ("third", torch.zeros(2, dtype=torch.int32))]}
+    rejects(optimizer, lambda: optimizer.add_param_group(group), ValueError, "float16")
+    assert len(optimizer.param_groups) == 1
+    assert list(optimizer.state) == [a]
+    assert optimizer.param_groups[0]["param_names"] == ["first"]
+    assert isinstance(group["params"][0], tuple)  # the caller's dict is untouched
+
+
+def test_add_param_group_non_dict() -> None:
+    optimizer = Gefen(_params())
+    with pytest.raises(TypeError, match="param_group must be a dict"):
+        optimizer.add_param_group([torch.ones(2)])  # type: ignore[arg-type]
+
+
+def test_mixing_named_and_unnamed_raises_torch_error() -> None:
+    a, b = _params()
+    with pytest.raises(ValueError, match="with/without names"):
+        Gefen([("a", a), b])
+    optimizer = Gefen([("a", a)])
+    with pytest.raises(ValueError, match="with/without names"):
+        optimizer.add_param_group({"params": [b]})
+
+
+def test_three_groups_kept_and_names_keep_case() -> None:
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(5)]
+    groups = [
+        {"params": [("Layer.Weight", params[0]), ("layer.weight", params[1])]},
+        {"params": [("X", params[2])], "lr": 0.1},
+        {"params": [("x", params[3]), ("X2", params[4])]},
+    ]
+    optimizer = Gefen(groups)
+    assert len(optimizer.param_groups) == 3
+    assert [len(g["params"]) for g in optimizer.param_groups] == [2, 1, 2]
+    assert optimizer.param_groups[0]["params"][0] is params[0]
+    assert optimizer.param_groups[0]["param_names"] == ["Layer.Weight", "layer.weight"]
+    assert optimizer.param_groups[1] is groups[1]  # the group dict kept as given
+    assert optimizer.state_dict()["param_groups"][2]["param_names"] == ["x", "X2"]
+
+
+def test_defaults_hold_13_keys_with_tuple_betas() -> None:
+    optimizer = Gefen(_params())
+    assert len(optimizer.defaults) == 13
+    assert isinstance(optimizer.defaults["betas"], tuple)
+    for group in optimizer.param_groups:
+        assert set(optimizer.defaults) <= set(group)
+
+
+def test_one_cycle_lr_cycles_beta1() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer = Gefen([p], lr=0.01)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.1, total_steps=10, cycle_momentum=True
+    )
+    seen = set()
+    for _ in range(9):
+        p.grad = torch.randn_like(p)
+        optimizer.step()
+        scheduler.step()
+        seen.add(optimizer.param_groups[0]["betas"][0])
+        assert isinstance(optimizer.param_groups[0]["betas"], tuple)
+    assert len(seen) > 3
+
+
+def test_fresh_state_placeholder_repr_deepcopy_and_no_print(capsys) -> None:
+    a, b = _params()
+    optimizer = Gefen([a, b])
+    assert dict(optimizer.state) == {a: {"period": 0}, b: {"period": 0}}
+    text = repr(optimizer)
+    assert text.startswith("Gefen (")
+    assert "lr: 0.001" in text
+    clone = copy.deepcopy(optimizer)
+    assert clone.state[clone.param_groups[0]["params"][0]] == {"period": 0}
+    assert len(clone.defaults) == 13
+    assert "differentiable" not in clone.defaults
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ""
+
+
+def test_requires_grad_false_parameters_accepted_and_skipped() -> None:
+    frozen = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    live = torch.nn.Parameter(torch.randn(4))
+    optimizer = Gefen([frozen, live])
+    live.grad = torch.randn(4)
+    before = frozen.detach().clone()
+    optimizer.step()
+    assert torch.equal(frozen, before)
+    assert optimizer.state[frozen] == {"period": 0}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "fragment"),
+    [
+        ("lr", -1.0, ValueError, "Invalid learning rate"),
+        ("betas", (0.9, 1.5), ValueError, "Invalid beta parameter at index 1"),
+        ("eps", 0.0, ValueError, "Invalid epsilon value"),
+        ("stochastic_round", True, ValueError, "optimizer-wide option 'stochastic_round'"),
+        ("factored_v_2d", "no", TypeError, "factored_v_2d must be a bool"),
+    ],
+)
+def test_invalid_group_edit_caught_by_step_preflight(key, value, error, fragment, rejects) -> None:
+    a, b = _params()
+    optimizer = Gefen([a, b])
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    optimizer.step()
+    good = optimizer.param_groups[0][key]
+    optimizer.param_groups[0][key] = value
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+
+    def restore() -> None:
+        optimizer.param_groups[0][key] = good
+
+    rejects(optimizer, optimizer.step, error, fragment, restore=restore)
