@@ -10,11 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from gefen.core.kernels import BIN_COUNT, histogram, nearest_index, solve_codebook
+from gefen.core.kernels import BIN_COUNT, histogram, nearest_index, pad_codebook, solve_codebook
 from gefen.dist import Channel, collective
+
+CODEBOOK_SIZE = 256
 
 __all__ = [
     "CodebookInput",
@@ -104,7 +107,17 @@ def any_nonzero_agreed(counts: Tensor, scope: Sequence[Channel]) -> bool:
 
 
 def solve_new_codebook(counts: Tensor, device: torch.device) -> Tensor:
-    """Solve §5.2–§5.3 and place the codebook on ``device`` (the first contributing one)."""
+    """Solve §5.2–§5.3 and place the codebook on ``device`` (the first contributing one).
+
+    Under a non-empty failure scope "learn" is agreed by a MAX over the ranks, so a rank whose
+    own shards are all zero (or empty) must still publish a codebook in the same step, or its
+    ``global_step`` would diverge from its peers'. It takes the §5.2 padding path from
+    ``{-1, +1}`` alone, the same grid every such rank derives without communicating.
+    """
+    if int(counts.sum()) == 0:
+        no_active_bins = np.zeros(0, dtype=np.int64)
+        padded = pad_codebook(no_active_bins, CODEBOOK_SIZE)
+        return torch.from_numpy(padded).to(dtype=torch.float32, device=device)
     return solve_codebook(counts).to(device)
 
 
