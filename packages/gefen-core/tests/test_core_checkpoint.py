@@ -131,6 +131,12 @@ def _both(sd, key, value):
         group["gefen"][key] = value
 
 
+def _factored_on_vector(sd) -> None:
+    entry = sd["state"][1]
+    del entry["v_block"]
+    entry["v_row"], entry["v_col"] = torch.zeros(24), torch.zeros(1)
+
+
 def _other_codec_entry(sd) -> None:
     entry = sd["state"][1]
     del entry["momentum_codes"], entry["momentum_scale"]
@@ -227,7 +233,62 @@ REJECTIONS = [
     ("positions", lambda sd: _both(sd, "initialized_params", [0, 1, 7]), "out of range"),
     ("codec entry", _other_codec_entry, "other momentum codec"),
     ("v_step zero", lambda sd: sd["state"][1].__setitem__("v_step", 0), "all zero"),
+    (
+        "groups not dicts",
+        lambda sd: sd.__setitem__("param_groups", [1, 2]),
+        "'param_groups' must be a list of dicts",
+    ),
+    ("global step negative", lambda sd: _both(sd, "global_step", -1), "global_step must be"),
+    ("format float", lambda sd: _both(sd, "format_version", 1.0), "format_version must be 1"),
+    ("step zero", lambda sd: sd["state"][1].__setitem__("step", 0), "'step' must be an int >= 1"),
+    (
+        "both families",
+        lambda sd: sd["state"][1].update(v_row=torch.zeros(3), v_col=torch.zeros(8)),
+        "exactly one second-moment family",
+    ),
+    (
+        "initialized period zero",
+        lambda sd: sd["state"][1].__setitem__("period", 0),
+        "an initialized entry needs a period > 0",
+    ),
+    (
+        "names not str",
+        lambda sd: sd["param_groups"][0].__setitem__("param_names", [7]),
+        "param_names must hold str",
+    ),
+    ("factored on 1-D", _factored_on_vector, "state does not match parameter"),
 ]
+
+
+def _nan_momentum(sd) -> None:
+    sd["state"][1]["momentum"] = sd["state"][1]["momentum"] * float("nan")
+
+
+NONE_CODEC_REJECTIONS = [
+    (
+        "none codec with a codebook",
+        lambda sd: _both(sd, "codebook", torch.linspace(-1, 1, 256)),
+        "holds no codebook",
+    ),
+    ("dense momentum not finite", _nan_momentum, "'momentum' must be finite"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "mutator", "fragment"),
+    NONE_CODEC_REJECTIONS,
+    ids=[r[0] for r in NONE_CODEC_REJECTIONS],
+)
+def test_none_codec_rules_reject_without_change(name: str, mutator, fragment: str, rejects) -> None:
+    source, _ = _trained(3, momentum_codec="none")
+    sd = copy.deepcopy(source.state_dict())
+    mutator(sd)
+    pristine = copy.deepcopy(sd)
+    target, _ = _trained(2, momentum_codec="none")
+    rejects(target, lambda: target.load_state_dict(sd), ValueError, "Gefen checkpoint: ")
+    with pytest.raises(ValueError, match=fragment):
+        target.load_state_dict(sd)
+    _assert_same(sd, pristine)
 
 
 @pytest.mark.parametrize(
