@@ -1,9 +1,10 @@
-"""Train the pinned small transformer with AdamW and Gefen on stdlib text; print loss and bytes.
+"""Train the pinned small transformer on stdlib text; print loss, state bytes and step time.
 
 A precursor of the full comparison harness (``compare.py``, its own issue): one process, no
-plots, AdamW and Gefen only. Usage::
+plots. Optimizers: adamw, gefen, muon (torch.optim.Muon on the hidden matrices + AdamW), and
+gefen-muon (GefenMuon on the hidden matrices + Gefen). Usage::
 
-    python benchmarks/train_small.py --steps 150 --lr 2e-3
+    python benchmarks/train_small.py --steps 150 --lr 2e-3 --optimizers adamw,gefen,muon,gefen-muon
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import pathlib
 import sysconfig
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,18 +89,64 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total + (codebook.numel() * codebook.element_size() if codebook is not None else 0)
 
 
-def run(name: str, args: argparse.Namespace, data: torch.Tensor) -> dict[str, object]:
+class Pair:
+    """Muon for the hidden matrices, an Adam-family optimizer for everything else."""
+
+    def __init__(self, matrices: torch.optim.Optimizer, rest: torch.optim.Optimizer) -> None:
+        self.matrices, self.rest = matrices, rest
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.matrices.zero_grad(set_to_none=set_to_none)
+        self.rest.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.matrices.step()
+        self.rest.step()
+
+
+def hidden_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(2-D weights inside the blocks, every other parameter): the usual Muon split."""
+    matrices, rest = [], []
+    for name, param in model.named_parameters():
+        (matrices if param.ndim == 2 and name.startswith("blocks.") else rest).append(param)
+    return matrices, rest
+
+
+def build(name: str, model: nn.Module, lr: float) -> tuple[Any, torch.optim.Optimizer | None]:
+    """The optimizer to train with, and the Muon part whose state is reported separately."""
     from gefen.core import Gefen
 
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1), None
+    if name == "gefen":
+        return Gefen(model.parameters(), lr=lr, weight_decay=0.1), None
+    from gefen.muon import GefenMuon
+
+    matrices, rest = hidden_matrices(model)
+    # match_rms_adamw lets the AdamW learning rate and weight decay carry over (Moonlight).
+    if name == "muon":
+        muon: torch.optim.Optimizer = torch.optim.Muon(
+            matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+        )
+        return Pair(muon, torch.optim.AdamW(rest, lr=lr, weight_decay=0.1)), muon
+    if name == "gefen-muon":
+        muon = GefenMuon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        return Pair(muon, Gefen(rest, lr=lr, weight_decay=0.1)), muon
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def total_state_bytes(optimizer: object) -> int:
+    if isinstance(optimizer, Pair):
+        return state_bytes(optimizer.matrices) + state_bytes(optimizer.rest)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    return state_bytes(optimizer)
+
+
+def run(name: str, args: argparse.Namespace, data: torch.Tensor) -> dict[str, object]:
     torch.manual_seed(args.seed)
     model = TinyDecoder(context=args.context)
     params = sum(p.numel() for p in model.parameters())
-    if name == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=args.lr, weight_decay=0.1
-        )
-    else:
-        optimizer = Gefen(model.parameters(), lr=args.lr, weight_decay=0.1)
+    optimizer, muon_part = build(name, model, args.lr)
     split = int(data.numel() * 0.9)
     train = batches(data[:split], args.steps, args.batch, args.context, args.seed)
     held_out = batches(data[split:], 8, args.batch, args.context, args.seed + 1)
@@ -119,14 +167,19 @@ def run(name: str, args: argparse.Namespace, data: torch.Tensor) -> dict[str, ob
             for t in held_out
         ]
     step_seconds.sort()
-    return {
+    result: dict[str, object] = {
         "optimizer": name,
         "parameters": params,
         "train_loss_last10": sum(losses[-10:]) / 10,
         "eval_loss": sum(eval_losses) / len(eval_losses),
-        "state_bytes_per_param": state_bytes(optimizer) / params,
+        "state_bytes_per_param": total_state_bytes(optimizer) / params,
         "step_ms_median": 1000 * step_seconds[len(step_seconds) // 2],
     }
+    if muon_part is not None:
+        muon_params = sum(p.numel() for g in muon_part.param_groups for p in g["params"])
+        result["muon_parameters"] = muon_params
+        result["muon_state_bytes_per_param"] = state_bytes(muon_part) / muon_params
+    return result
 
 
 def main() -> None:

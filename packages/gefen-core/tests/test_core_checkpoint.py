@@ -118,6 +118,130 @@ def test_successful_load_identity_hooks_and_twice() -> None:
     assert sd["state"][0].keys() == reference["state"][0].keys()
 
 
+def _deep_record(value):
+    """Every container and tensor of ``value`` with the object itself, for ``is`` checks, and
+    tensors by bytes, dtype and shape (bytes, so NaN payloads compare too)."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().contiguous().reshape(-1)
+        return ("tensor", value, value.dtype, tuple(value.shape), data.view(torch.uint8).clone())
+    if isinstance(value, dict):
+        items = [(key, _deep_record(item)) for key, item in value.items()]
+        return ("dict", value, type(value), items)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, value, type(value), [_deep_record(x) for x in value])
+    return ("value", type(value), value)
+
+
+def _assert_deep_equal(before, after, path: str = "sd") -> None:
+    assert before[0] == after[0], f"{path}: {before[0]} became {after[0]}"
+    if before[0] == "value":
+        assert before[1] is after[1], f"{path}: type {before[1]} became {after[1]}"
+        assert before[2] == after[2] or (before[2] != before[2] and after[2] != after[2]), path
+        return
+    assert before[1] is after[1], f"{path}: a different object"
+    if before[0] == "tensor":
+        assert before[2:4] == after[2:4], f"{path}: dtype or shape changed"
+        assert torch.equal(before[4], after[4]), f"{path}: values changed"
+        return
+    assert before[2] is after[2], f"{path}: container type changed"
+    if before[0] == "dict":
+        assert [k for k, _ in before[3]] == [k for k, _ in after[3]], f"{path}: keys changed"
+        for (key, x), (_, y) in zip(before[3], after[3], strict=True):
+            _assert_deep_equal(x, y, f"{path}[{key!r}]")
+    else:
+        assert len(before[3]) == len(after[3]), f"{path}: length changed"
+        for index, (x, y) in enumerate(zip(before[3], after[3], strict=True)):
+            _assert_deep_equal(x, y, f"{path}[{index}]")
+
+
+def _valid_rewrite(optimizer, sd) -> None:
+    """A load pre-hook that rewrites its argument in place at every depth and stays loadable."""
+    sd["param_groups"][0]["lr"] = 0.123
+    sd["param_groups"][1]["betas"] = [0.8, 0.95]
+    sd["param_groups"][1]["note"] = "added by the hook"
+    entry = sd["state"][0]
+    entry["momentum_scale"] = entry["momentum_scale"] * 2  # a new tensor, never in place
+    sd["state"][1]["step"] += 1
+    sd["state"][1]["v_step"] += 1
+    for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
+        extras["initialized_params"].reverse()
+    sd["param_groups"][0]["params"].clear()
+    sd["param_groups"][0]["params"].append(0)
+
+
+def _vandalise(value):
+    """Rewrite every container below ``value`` in place (tensors are replaced, not written)."""
+    if isinstance(value, dict):
+        for key in list(value):
+            value[key] = _vandalise(value[key])
+        value.pop(next(iter(value)), None)
+        value["vandal"] = 1
+        return value
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            value[index] = _vandalise(item)
+        value.append("vandal")
+        value.reverse()
+        return value
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    return value
+
+
+def test_load_pre_hook_never_mutates_callers_dict_on_success() -> None:
+    source, _ = _trained(3)
+    sd = source.state_dict()
+    record = _deep_record(sd)
+    target, _ = _trained(1)
+    target.register_load_state_dict_pre_hook(_valid_rewrite)
+    target.load_state_dict(sd)
+    _assert_deep_equal(record, _deep_record(sd))
+    # The hook's rewrite is what was loaded, so it really ran on a copy.
+    assert target.param_groups[0]["lr"] == 0.123
+    assert target.param_groups[1]["betas"] == (0.8, 0.95)
+    assert target.param_groups[1]["note"] == "added by the hook"
+    params = [p for group in target.param_groups for p in group["params"]]
+    assert target.state[params[1]]["step"] == sd["state"][1]["step"] + 1
+    assert torch.equal(
+        target.state[params[0]]["momentum_scale"], sd["state"][0]["momentum_scale"] * 2
+    )
+    target.load_state_dict(sd)  # the same dict loads twice
+    _assert_deep_equal(record, _deep_record(sd))
+
+
+@pytest.mark.parametrize("hook", [_valid_rewrite, lambda opt, sd: _vandalise(sd)])
+def test_load_pre_hook_never_mutates_callers_dict_on_rejection(hook) -> None:
+    # Rejected by the last entry, after the hook and every group have been processed.
+    sd = _corrupt(lambda sd: sd["state"][1].__setitem__("period", 5))
+    record = _deep_record(sd)
+    target, _ = _trained(2)
+    target.register_load_state_dict_pre_hook(hook)
+    with pytest.raises(ValueError, match="Gefen checkpoint: "):
+        target.load_state_dict(sd)
+    _assert_deep_equal(record, _deep_record(sd))
+
+
+def test_deep_record_detects_each_kind_of_mutation() -> None:
+    optimizer, _ = _trained(1)
+    mutations = [
+        lambda sd: sd["param_groups"][0].__setitem__("lr", 0.5),
+        lambda sd: sd["param_groups"][0]["params"].append(9),
+        lambda sd: sd["gefen"]["initialized_params"].reverse(),
+        lambda sd: sd["state"][0].__setitem__(
+            "momentum_scale", sd["state"][0]["momentum_scale"].clone()
+        ),
+        lambda sd: sd["state"][0]["momentum_codes"].view(-1)[0].add_(1),
+        lambda sd: sd["state"].__setitem__(1, dict(sd["state"][1])),
+        lambda sd: sd["param_groups"][1].__setitem__("betas", list(sd["param_groups"][1]["betas"])),
+    ]
+    for mutate in mutations:
+        sd = copy.deepcopy(optimizer.state_dict())
+        record = _deep_record(sd)
+        mutate(sd)
+        with pytest.raises(AssertionError):
+            _assert_deep_equal(record, _deep_record(sd))
+
+
 def _corrupt(mutator):
     optimizer, _ = _trained()
     sd = copy.deepcopy(optimizer.state_dict())
@@ -397,15 +521,44 @@ def test_shape_changed_parameter_rejected_on_load_and_at_step() -> None:
         optimizer.step()
 
 
+def _frozen_warnings(optimizer, sd) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.load_state_dict(sd)
+    return [str(w.message) for w in caught if "frozen parameter" in str(w.message)]
+
+
 def test_frozen_parameter_listed_but_dropped_keeps_live_entry() -> None:
     optimizer, params = _trained(2)
     sd = optimizer.state_dict()
     del sd["state"][1]
     params[1].requires_grad_(False)
     live = optimizer.state[params[1]]
-    with pytest.warns(UserWarning, match="frozen parameter"):
-        optimizer.load_state_dict(sd)
+    messages = _frozen_warnings(optimizer, sd)
+    assert len(messages) == 1
+    assert "frozen parameter param_groups[1][0] (position 1;" in messages[0]
     assert torch.equal(optimizer.state[params[1]]["momentum_codes"], live["momentum_codes"])
+
+
+def test_frozen_parameter_warning_names_the_parameter() -> None:
+    params = _params()
+    extra = torch.nn.Parameter(torch.randn(5, 3))
+    optimizer = Gefen(
+        [
+            {"params": [("encoder.weight", params[0])]},
+            {"params": [("head.weight", extra), ("head.bias", params[1])], "lr": 0.01},
+        ]
+    )
+    for seed in range(2):
+        _grads([*params, extra], seed)
+        optimizer.step()
+    sd = optimizer.state_dict()
+    del sd["state"][2]
+    params[1].requires_grad_(False)
+    messages = _frozen_warnings(optimizer, sd)
+    assert len(messages) == 1
+    assert "frozen parameter 'head.bias' (position 2;" in messages[0]
+    assert optimizer.state[params[1]]["step"] == 2
 
 
 def test_state_nbytes() -> None:

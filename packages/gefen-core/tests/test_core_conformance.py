@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import pickle
+from collections import Counter
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch.optim.optimizer import (
 )
 
 from gefen.core import Gefen
+from gefen.core.shell import OptimizerShell
 
 
 def _regression(optimizer_factory, scheduler: bool) -> list[float]:
@@ -213,3 +216,112 @@ def test_named_and_unnamed_state_dicts_load_into_each_other() -> None:
     sd = Gefen([torch.nn.Parameter(a.detach().clone())]).state_dict()
     other.load_state_dict(sd)
     assert other.param_groups[0]["param_names"] == ["layer.weight"]
+
+
+# -- step.hooked and __init_subclass__ ------------------------------------------------------------
+
+_FIRED: Counter[str] = Counter()
+
+
+def _count_pre(optimizer, args, kwargs) -> None:
+    # Module level, so an optimizer holding it still pickles.
+    _FIRED["pre"] += 1
+
+
+def _count_post(optimizer, args, kwargs) -> None:
+    _FIRED["post"] += 1
+
+
+class _PicklableSubclass(Gefen):
+    # Module level: pickle finds a class by its qualified name, which a local class lacks.
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def _subclasses() -> tuple[type[Gefen], type[Gefen], type[Gefen]]:
+    """Fresh classes per test: torch patches ``step`` on the class, so a leak would persist."""
+
+    class Overriding(Gefen):
+        def step(self, closure=None):
+            self.own_calls = getattr(self, "own_calls", 0) + 1
+            return super().step(closure)
+
+    class Inheriting(Gefen):
+        pass
+
+    class Deeper(Overriding):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    return Overriding, Inheriting, Deeper
+
+
+def test_step_is_marked_hooked_for_gefen_and_subclasses() -> None:
+    assert OptimizerShell.step.hooked is True
+    assert Gefen.step.hooked is True
+    assert "step" not in Gefen.__dict__
+    for cls in _subclasses():
+        defined = cls.__dict__.get("step")
+        assert cls.step.hooked is True
+        cls([torch.nn.Parameter(torch.randn(4))])
+        # torch's _patch_step_function replaces an unmarked class `step` with its wrapper.
+        assert cls.__dict__.get("step") is defined
+    Gefen([torch.nn.Parameter(torch.randn(4))])
+    assert "step" not in Gefen.__dict__
+
+
+@pytest.mark.parametrize("which", ["Gefen", "Overriding", "Inheriting", "Deeper"])
+def test_step_hooks_fire_exactly_once_per_step(which: str) -> None:
+    classes = {cls.__name__: cls for cls in _subclasses()}
+    cls = Gefen if which == "Gefen" else classes[which]
+    a = torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = cls([a], lr=0.01)
+    counts: Counter[str] = Counter()
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: counts.update(["pre"]))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: counts.update(["post"]))
+    handles = [
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: counts.update(["global pre"])),
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: counts.update(["global post"])),
+    ]
+    try:
+        for step in range(1, 4):
+            a.grad = torch.randn(6, 4)
+            optimizer.step()
+            assert counts == {"pre": step, "post": step, "global pre": step, "global post": step}
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert optimizer.global_step == 3
+    if which in ("Overriding", "Deeper"):
+        assert optimizer.own_calls == 3
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("which", ["Gefen", "subclass"])
+def test_copies_carry_no_instance_step_and_hooks_fire_once(copier: str, which: str) -> None:
+    cls = Gefen if which == "Gefen" else _PicklableSubclass
+    a = torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = cls([a], lr=0.1)
+    optimizer.register_step_pre_hook(_count_pre)
+    optimizer.register_step_post_hook(_count_post)
+    torch.optim.lr_scheduler.StepLR(optimizer, 2)
+    assert "step" in optimizer.__dict__  # the scheduler's instance-level wrapper
+    a.grad = torch.randn(6, 4)
+    optimizer.step()
+    clone = (
+        pickle.loads(pickle.dumps(optimizer)) if copier == "pickle" else copy.deepcopy(optimizer)
+    )
+    assert "step" not in clone.__dict__
+    assert type(clone) is cls
+    clone_param = clone.param_groups[0]["params"][0]
+    assert clone_param is not a
+    assert clone.state[clone_param]["step"] == 1
+    _FIRED.clear()
+    clone_param.grad = torch.randn(6, 4)
+    before = a.detach().clone()
+    clone_before = clone_param.detach().clone()
+    clone.step()
+    assert _FIRED == {"pre": 1, "post": 1}
+    assert clone.global_step == 2
+    assert torch.equal(a, before)
+    assert not torch.equal(clone_param, clone_before)

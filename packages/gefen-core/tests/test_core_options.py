@@ -119,6 +119,38 @@ def test_float_and_tensor_lr_trajectories_equal() -> None:
     assert torch.equal(runs[0], runs[1])
 
 
+def test_tensor_lr_is_read_once_per_group_per_step(monkeypatch) -> None:
+    import gefen.core.optimizer as optimizer_module
+
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 6, generator=generator)) for _ in range(6)]
+    optimizer = Gefen(
+        [
+            {"params": params[0:3], "lr": torch.tensor(0.01)},
+            {"params": params[3:5], "lr": 0.02},
+            {"params": params[5:6], "lr": torch.tensor(0.03)},  # no gradient: never read
+        ]
+    )
+    real = optimizer_module._lr_value
+    reads: list[object] = []
+
+    def counting(lr: object) -> float:
+        reads.append(lr)
+        return real(lr)
+
+    monkeypatch.setattr(optimizer_module, "_lr_value", counting)
+    for step in range(3):
+        for p in params[0:5]:
+            p.grad = torch.randn(p.shape, generator=generator)
+        params[1].grad = None if step == 1 else params[1].grad
+        reads.clear()
+        optimizer.step()
+        assert optimizer.global_step == step + 1
+        assert len(reads) == 2
+        assert reads[0] is optimizer.param_groups[0]["lr"]
+        assert reads[1] == 0.02
+
+
 def test_betas_list_normalised() -> None:
     optimizer = Gefen(_params(), betas=[0.8, 0.9])
     assert optimizer.defaults["betas"] == (0.8, 0.9)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
+import gefen.core.learning as learning_module
+import gefen.core.shell as shell_module
 from gefen.core import Gefen, NonFiniteGradientError
 from gefen.core.kernels import nearest_index
+from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.dist.testing import assert_unchanged, deep_snapshot
 
 
 def _p(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
@@ -122,6 +128,149 @@ def test_refresh_failure_while_staging_second_parameter_changes_nothing(
     assert not optimizer._commit_failed
     monkeypatch.setattr(shell, "remap_codes", real)
     assert optimizer.refresh_codebook() is True
+
+
+def _fp32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def _oracle_remap(old_codebook: torch.Tensor, new_codebook: torch.Tensor) -> torch.Tensor:
+    """``L[i]`` by brute force over every new codeword, sharing no code with the kernels.
+
+    §6.3 compares distances in fp32. Both operands are fp32, so their float64 difference is
+    exact and rounding it once gives the fp32 subtraction; without that rounding, a pair the
+    spec calls a tie could resolve to the upper index here.
+    """
+    old = [float(value) for value in old_codebook.tolist()]
+    new = [float(value) for value in new_codebook.tolist()]
+    table = []
+    for target in old:
+        best, best_distance = 0, abs(_fp32(new[0] - target))
+        for index in range(1, len(new)):
+            distance = abs(_fp32(new[index] - target))
+            if distance < best_distance:  # strict: ties keep the lower index
+                best, best_distance = index, distance
+        table.append(best)
+    return torch.tensor(table, dtype=torch.int64)
+
+
+def _assert_remap_is_nontrivial(oracle: torch.Tensor, old_codes: torch.Tensor) -> None:
+    # An identity remap on the codes in use would let a refresh that kept the codes pass.
+    used = old_codes.long().unique()
+    assert bool((oracle[used] != used).any())
+
+
+def test_oracle_remap_pins_ties_and_exact_codewords() -> None:
+    new = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
+    old = torch.tensor([-1.0, -0.75, -0.25, 0.25, 0.75, 1.0, 0.5, 0.3])
+    assert _oracle_remap(old, new).tolist() == [0, 0, 1, 2, 3, 4, 3, 3]
+    # Exactly, x is nearer to 1.0, but both distances round to the same fp32 value: an fp32
+    # tie, which the lower index wins (in the kernel too).
+    low, x = 2.0**-23 - 2.0**-27, 0.5 + 2.0**-24
+    assert abs(x - low) > abs(1.0 - x)
+    assert _oracle_remap(torch.tensor([x]), torch.tensor([-1.0, low, 1.0])).tolist() == [1]
+    codebook = torch.cat([torch.linspace(-1.0, -0.01, 254), torch.tensor([low, 1.0])])
+    assert nearest_index(codebook, torch.tensor([x])).tolist() == [254]
+
+
+def test_refresh_codes_equal_brute_force_oracle() -> None:
+    a, b = _p(64, 32), _p(96, seed=1)
+    optimizer = Gefen([a, b])
+    for seed in range(3):
+        a.grad, b.grad = _grad(a, seed), _grad(b, seed + 50)
+        optimizer.step()
+    old_codebook = optimizer.codebook.clone()
+    old_codes = {p: optimizer.state[p]["momentum_codes"].clone() for p in (a, b)}
+    a.grad, b.grad = _grad(a, 10) ** 3, _grad(b, 11) ** 3
+    assert optimizer.refresh_codebook() is True
+    new_codebook = optimizer.codebook
+    assert not torch.equal(new_codebook, old_codebook)
+    oracle = _oracle_remap(old_codebook, new_codebook)
+    assert oracle[0] == 0
+    assert oracle[255] == 255
+    for p in (a, b):
+        _assert_remap_is_nontrivial(oracle, old_codes[p])
+        codes = optimizer.state[p]["momentum_codes"]
+        assert codes.dtype == torch.uint8
+        assert torch.equal(codes, oracle[old_codes[p].long()].to(torch.uint8))
+
+
+def test_periodic_refresh_codes_equal_brute_force_oracle(monkeypatch) -> None:
+    # `a` steps with an all-zero gradient on the refresh step, so its momentum only decays by
+    # beta1 and re-quantizes to the remapped codes: what the step stores is the remap itself.
+    a, b = _p(64, 32), _p(96, seed=1)
+    optimizer = Gefen([a, b], codebook_refresh_every=2)
+    for seed in range(2):
+        a.grad, b.grad = _grad(a, seed), _grad(b, seed + 50)
+        optimizer.step()
+    old_codebook = optimizer.codebook.clone()
+    old_codes = {p: optimizer.state[p]["momentum_codes"].clone() for p in (a, b)}
+    staged: list[dict[int, torch.Tensor]] = []
+    original = Gefen._prepare_step
+
+    def spy(self, operation, learning):
+        staged.append({index: codes.clone() for index, codes in learning.codes.items()})
+        return original(self, operation, learning)
+
+    monkeypatch.setattr(Gefen, "_prepare_step", spy)
+    a.grad, b.grad = torch.zeros_like(a), _grad(b, 11) ** 3
+    optimizer.step()
+    assert optimizer.global_step == 3
+    new_codebook = optimizer.codebook
+    assert not torch.equal(new_codebook, old_codebook)
+    oracle = _oracle_remap(old_codebook, new_codebook)
+    assert set(staged[0]) == {0, 1}
+    expected = {p: oracle[old_codes[p].long()].to(torch.uint8) for p in (a, b)}
+    for index, p in enumerate((a, b)):
+        _assert_remap_is_nontrivial(oracle, old_codes[p])
+        assert torch.equal(staged[0][index], expected[p])
+    assert torch.equal(optimizer.state[a]["momentum_codes"], expected[a])
+
+
+def test_periodic_refresh_failure_inside_step_changes_nothing(monkeypatch) -> None:
+    a, b = _p(16, 8), _p(32, seed=1)
+    optimizer = Gefen([a, b], lr=0.01, codebook_refresh_every=2)
+
+    def set_quadratic_grads() -> float:
+        # The gradient of sum(p**2), set in place of a closure so the failing step sees the
+        # same gradient objects the snapshot recorded.
+        for p in (a, b):
+            p.grad = 2 * p.detach().clone()
+        return float(sum((p.detach() ** 2).sum() for p in (a, b)))
+
+    for _ in range(2):
+        set_quadratic_grads()
+        optimizer.step()
+    assert optimizer.global_step == 2  # the next step is a refresh step (N = 2)
+    codebook = optimizer.codebook
+    calls: list[int] = []
+
+    def failing(counts, device):
+        calls.append(optimizer.global_step)
+        raise MemoryError("injected refresh failure")
+
+    # The shell imports the name; patch it where it is resolved, and at its source in case a
+    # later edit calls it through the module.
+    assert shell_module.solve_new_codebook is learning_module.solve_new_codebook
+    monkeypatch.setattr(shell_module, "solve_new_codebook", failing)
+    monkeypatch.setattr(learning_module, "solve_new_codebook", failing)
+    set_quadratic_grads()
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    with pytest.raises(MemoryError, match="injected refresh failure"):
+        optimizer.step()
+    assert calls == [2]
+    assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    assert optimizer._commit_failed is False
+    assert optimizer.codebook is codebook
+
+    monkeypatch.undo()
+    loss_before = set_quadratic_grads()
+    params_before = [p.detach().clone() for p in (a, b)]
+    optimizer.step()
+    assert optimizer.global_step == 3
+    assert optimizer.codebook is not codebook  # the retried step refreshed
+    assert all(not torch.equal(p, q) for p, q in zip((a, b), params_before, strict=True))
+    assert set_quadratic_grads() < loss_before
 
 
 def test_periodic_refresh_at_multiples_of_n(monkeypatch) -> None:

@@ -9,6 +9,7 @@ publishes it without any step that can throw. Every rejection is a ValueError
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ import torch
 from torch import Tensor
 
 from gefen.core.state import is_initialized, validate_codebook
+from gefen.core.transaction import copy_containers
+from gefen.core.validation import parameter_label
 from gefen.dist import (
     GuardedOperation,
     check_rank_local_header,
@@ -67,9 +70,8 @@ def live_extras(optimizer: OptimizerShell) -> dict[str, Any]:
         "momentum_codec": optimizer.defaults["momentum_codec"],
         "initialized_params": initialized,
     }
-    scope = optimizer.step_failure_scope()
-    if "rank_local" in optimizer.OPTIONAL_EXTRAS and len(scope) > 0:
-        extras["rank_local"] = rank_local_header(scope)
+    if optimizer._rank_local_checkpoint():
+        extras["rank_local"] = rank_local_header(optimizer.step_failure_scope())
     return extras
 
 
@@ -82,24 +84,20 @@ def build_state_dict(
     for group in optimizer.param_groups:
         packed = {key: value for key, value in group.items() if key != "params"}
         packed["params"] = list(range(start, start + len(group["params"])))
-        packed[EXTRAS_KEY] = live_extras(optimizer)
+        packed[EXTRAS_KEY] = _extras_copy(optimizer, entries)
         start += len(group["params"])
         groups.append(packed)
-    return {"state": entries, "param_groups": groups, EXTRAS_KEY: live_extras(optimizer)}
+    return {"state": entries, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
+
+
+def _extras_copy(optimizer: OptimizerShell, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One independent copy of the extras, with the subclass's optional keys."""
+    extras = live_extras(optimizer)
+    extras.update(copy.deepcopy(optimizer._checkpoint_extras(entries)))
+    return extras
 
 
 # -- load ---------------------------------------------------------------------------------------
-
-
-def _copy_containers(value: Any) -> Any:
-    """Copy every dict, list and tuple (never the tensors) so nothing of the caller's changes."""
-    if isinstance(value, dict):
-        return {key: _copy_containers(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_copy_containers(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_copy_containers(item) for item in value)
-    return value
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -260,7 +258,7 @@ class _Loader:
         if "scope" in extras:
             raise self.reject("codebook scope differs (the checkpoint has one, the optimizer none)")
         scope = self.optimizer.step_failure_scope()
-        if "rank_local" not in extras and len(scope) == 0:
+        if "rank_local" not in extras and not self.optimizer._rank_local_checkpoint():
             return
         if "rank_local" not in extras:
             raise self.reject("rank-local checkpoint topology differs: 'rank_local' is missing")
@@ -309,14 +307,29 @@ class _Loader:
                 break
 
 
+def _label_at(groups: list[dict[str, Any]], position: int) -> str:
+    """The label of the parameter at an in-range flat position."""
+    for group_index, group in enumerate(groups):
+        size = len(group["params"])
+        if position < size:
+            return parameter_label(group, group_index, position)
+        position -= size
+    raise IndexError(position)
+
+
 def _saved_entries(
     loader: _Loader,
     state: dict[Any, Any],
     identifiers: list[list[Any]],
     extras: dict[str, Any],
+    groups: list[dict[str, Any]],
 ) -> dict[int, Any]:
     """Saved entries by flat position; a frozen parameter listed as initialized keeps its live
-    entry (DCP drops frozen parameters' state), with one warning."""
+    entry (DCP drops frozen parameters' state), with one warning.
+
+    ``groups`` are the staged groups, so the warning names parameters as the entry errors of
+    ``_stage_entries`` do (with the checkpoint's ``param_names`` when it has them).
+    """
     optimizer = loader.optimizer
     flat = [ident for ids in identifiers for ident in ids]
     saved = {position: state[ident] for position, ident in enumerate(flat) if ident in state}
@@ -333,8 +346,8 @@ def _saved_entries(
                 f"initialized_params lists position {position} but its entry is not initialized"
             )
         warnings.warn(
-            f"{loader.owner} load: kept the live state of frozen parameter at position "
-            f"{position} (the checkpoint dropped it)",
+            f"{loader.owner} load: kept the live state of frozen parameter "
+            f"{_label_at(groups, position)} (position {position}; the checkpoint dropped it)",
             UserWarning,
             stacklevel=4,
         )
@@ -344,7 +357,7 @@ def _saved_entries(
 
 def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLoad:
     """Copy, run the pre-hooks on the copy, validate, and stage (10-core.md §8.2 step 1)."""
-    copied = _copy_containers(sd)
+    copied = copy_containers(sd)
     for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
         replaced = hook(optimizer, copied)
         if replaced is not None:
@@ -356,7 +369,7 @@ def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLo
         loader.group(index, saved, live)
         for index, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True))
     ]
-    saved = _saved_entries(loader, state, identifiers, extras)
+    saved = _saved_entries(loader, state, identifiers, extras, staged_groups)
     entries = optimizer._stage_entries(saved, staged_groups, extras)
     codebook = extras["codebook"]
     needs_codebook = extras["global_step"] > 0 or any(e.get("period", 0) for e in entries.values())

@@ -36,7 +36,6 @@ from gefen.core.state import (
     EntrySpec,
     allocate_entry,
     entry_family,
-    entry_matches,
     is_initialized,
     migrate_family,
 )
@@ -56,7 +55,8 @@ class _StagedUpdate:
 
 
 def _lr_value(lr: object) -> float:
-    """A tensor lr is read as a Python float once per group per step (§6.1 step 6)."""
+    """The group lr as a Python float; ``_prepare_step`` calls it once per group per step, so a
+    tensor lr costs one host read per group (§6.1 step 6)."""
     if isinstance(lr, Tensor):
         return float(lr.detach().reshape(()).item())
     return float(lr)  # type: ignore[arg-type]
@@ -139,20 +139,6 @@ class Gefen(OptimizerShell):
             dense_shape=None,
             second_moment="factored" if factored else "block",
         )
-
-    def _check_local_inputs(self) -> None:
-        """§7.2: initialized (or period-selected) state must still fit its parameter."""
-        for group_index, group in enumerate(self.param_groups):
-            for position, param in enumerate(group["params"]):
-                entry = self.state[param]
-                if entry.get("period", 0) == 0 and not is_initialized(entry):
-                    continue
-                reason = entry_matches(entry, self._entry_spec(group, param))
-                if reason is not None:
-                    label = parameter_label(group, group_index, position)
-                    raise RuntimeError(
-                        f"parameter {label}: state does not match parameter ({reason})"
-                    )
 
     def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
         inputs: list[CodebookInput] = []
@@ -249,6 +235,7 @@ class Gefen(OptimizerShell):
         group: Mapping[str, Any],
         param: Tensor,
         learning: StagedLearning,
+        lr: float,
     ) -> _StagedUpdate:
         period = learning.periods.get(index, self.state[param]["period"])
         entry = self._working_entry(group, param, period, label)
@@ -259,7 +246,7 @@ class Gefen(OptimizerShell):
             "period": period,
             "step": entry["step"],
             "v_step": entry["v_step"],
-            "lr": _lr_value(group["lr"]),
+            "lr": lr,
             "betas": (float(group["betas"][0]), float(group["betas"][1])),
             "eps": float(group["eps"]),
             "weight_decay": float(group["weight_decay"]),
@@ -283,12 +270,16 @@ class Gefen(OptimizerShell):
         staged: list[_StagedUpdate] = []
         index = -1
         for group_index, group in enumerate(self.param_groups):
+            # Read lazily so a group with nothing to update never syncs on its tensor lr.
+            lr: float | None = None
             for position, param in enumerate(group["params"]):
                 index += 1
                 if param.grad is None or local_tensor(param).numel() == 0:
                     continue
+                if lr is None:
+                    lr = _lr_value(group["lr"])
                 label = parameter_label(group, group_index, position)
-                staged.append(self._stage_one(index, label, group, param, learning))
+                staged.append(self._stage_one(index, label, group, param, learning, lr))
         return staged
 
     # -- phase 5: commit --------------------------------------------------------------------

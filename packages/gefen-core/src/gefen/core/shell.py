@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from itertools import chain
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.optim import optimizer as torch_optimizer
 
 from gefen.core.checkpoint import PreparedLoad, build_state_dict, prepare_load
 from gefen.core.fused import KernelSelector
@@ -33,24 +31,23 @@ from gefen.core.learning import (
     stage_periods,
 )
 from gefen.core.options import check_optimizer_wide
-from gefen.core.state import CodecKeys, EntrySpec
+from gefen.core.state import CodecKeys, EntrySpec, entry_matches, is_initialized
+from gefen.core.transaction import run_load, run_step
 from gefen.core.validation import (
     SUPPORTED_DTYPES,
     check_finite_gradients,
     local_tensor,
+    parameter_label,
     validate_gradient_structure,
 )
 from gefen.dist import (
     PHASE_INITIALIZE_PREAMBLE,
-    PHASE_LOAD_VALIDATION,
     PHASE_REFRESH_PREAMBLE,
-    PHASE_STEP_PREFLIGHT,
     BindingError,
     Channel,
     GuardedOperation,
     ProcessGroupBinding,
     collect_failure_scope,
-    prepare_synchronized_amp_step,
 )
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
@@ -103,6 +100,8 @@ class OptimizerShell(Optimizer):
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = ()
     CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")
+    # GefenMuon: every parameter must stay 2-D, even without a gradient (20-muon.md §6).
+    REQUIRE_2D: ClassVar[bool] = False
     # The attributes __getstate__ copies (a whitelist: never an instance-level `step` wrapper).
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
         "defaults",
@@ -141,7 +140,31 @@ class OptimizerShell(Optimizer):
         """Option checks of one group (§2.2); raise on the first failing rule."""
 
     def _check_local_inputs(self) -> None:
-        """Further rank-local step checks (Gefen: the state match of §7.2)."""
+        """Further rank-local step checks; the default is the state match of §7.2:
+        initialized (or period-selected) state must still fit its parameter."""
+        for group_index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                entry = self.state[param]
+                if entry.get("period", 0) == 0 and not is_initialized(entry):
+                    continue
+                reason = entry_matches(entry, self._entry_spec(group, param))
+                if reason is not None:
+                    label = parameter_label(group, group_index, position)
+                    raise RuntimeError(
+                        f"parameter {label}: state does not match parameter ({reason})"
+                    )
+
+    def _checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+        """Optional extras keys of this optimizer, from the entries ``state_dict`` emits."""
+        return {}
+
+    def _rank_local_checkpoint(self) -> bool:
+        """Whether checkpoints are rank-local (carry ``"rank_local"``, 50-dist.md §10.3)."""
+        return "rank_local" in self.OPTIONAL_EXTRAS and len(self.step_failure_scope()) > 0
+
+    def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
+        """Registration-only rules for a normalised new group (GefenMuon: 2-D parameters, no
+        mixed sharded modes); the step preflight does not repeat them."""
 
     def _select_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
@@ -243,6 +266,7 @@ class OptimizerShell(Optimizer):
         check_optimizer_wide(param_group, self.defaults, self.OPTIMIZER_WIDE)
         candidate = self._normalised_group(param_group)
         self._check_membership(candidate)
+        self._validate_registration(candidate)
         self._validate_group(candidate)
         # Publish: the caller's dict itself becomes the group, as in torch.
         param_group.update(candidate)
@@ -272,7 +296,9 @@ class OptimizerShell(Optimizer):
         self._check_latch()
         for group in self.param_groups:
             self._validate_group(group)
-        validate_gradient_structure(self.param_groups, owner=self.OWNER_NAME, require_2d=False)
+        validate_gradient_structure(
+            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
+        )
         self._check_local_inputs()
         self._select_kernels()
         if self.defaults.get("check_finite", True) and not amp_present:
@@ -301,66 +327,9 @@ class OptimizerShell(Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         return amp_scaling_supported(self.param_groups, self.step_failure_scope())
 
-    def _amp_present(self) -> bool:
-        return hasattr(self, "found_inf") or hasattr(self, "grad_scale")
-
-    def _local_preflight(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-        self._check_latch()
-        hooks = chain(
-            torch_optimizer._global_optimizer_pre_hooks.values(),
-            self._optimizer_step_pre_hooks.values(),
-        )
-        for hook in hooks:
-            result = hook(self, args, kwargs)
-            if result is not None:
-                if not (isinstance(result, tuple) and len(result) == 2):
-                    raise RuntimeError(
-                        f"a step pre-hook must return None or (new_args, new_kwargs), got {result}"
-                    )
-                args, kwargs = result
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.validate_step_inputs(amp_present=self._amp_present())
-        self.step_header_payload()
-        return loss, args, kwargs
-
-    def _run_step_post_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hooks = chain(
-            self._optimizer_step_post_hooks.values(),
-            torch_optimizer._global_optimizer_post_hooks.values(),
-        )
-        for hook in hooks:
-            hook(self, args, kwargs)
-
-    def _drop_amp_controls(self) -> None:
-        # GradScaler never reaches its own deletion when step raises; a retry must not unscale
-        # again by a stale scale.
-        for name in ("found_inf", "grad_scale"):
-            if name in self.__dict__:
-                delattr(self, name)
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One transactional step (§7.1); returns the closure's loss or None."""
-        op = self._operation()
-        args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
-        kwargs: dict[str, Any] = {}
-        loss, args, kwargs = op.local(PHASE_STEP_PREFLIGHT, self._local_preflight, args, kwargs)
-        self.check_step_agreement()
-        try:
-            with torch.no_grad():
-                proceed = prepare_synchronized_amp_step(self, op.scope, self.OWNER_NAME)
-            if proceed:
-                self.apply_prepared_step(operation=op)
-        except BaseException:
-            self._drop_amp_controls()
-            raise
-        self._run_step_post_hooks(args, kwargs)
-        return loss
+        return run_step(self, closure)
 
     # -- codebook learning and refresh (§5.5, §5.6) -----------------------------------------
 
@@ -455,7 +424,9 @@ class OptimizerShell(Optimizer):
 
     def _preamble_checks(self) -> None:
         self._check_latch()
-        validate_gradient_structure(self.param_groups, owner=self.OWNER_NAME, require_2d=False)
+        validate_gradient_structure(
+            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
+        )
         self._check_local_inputs()
         if self.defaults.get("check_finite", True):
             check_finite_gradients(self.param_groups)
@@ -466,6 +437,8 @@ class OptimizerShell(Optimizer):
         op.local(PHASE_INITIALIZE_PREAMBLE, self._preamble_checks)
         if not self._codebook8 or self._codebook is not None:
             return False
+        # Learning may gather gradients (GefenMuon's full_tensor): agree on presence first.
+        self.check_step_agreement()
         with torch.no_grad():
             learning = self._stage_first_codebook(op)
         if learning.noop:
@@ -477,7 +450,9 @@ class OptimizerShell(Optimizer):
         self._check_latch()
         if not self._codebook8 or self._codebook is None:
             raise RuntimeError("refresh_codebook: no codebook has been learned")
-        validate_gradient_structure(self.param_groups, owner=self.OWNER_NAME, require_2d=False)
+        validate_gradient_structure(
+            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
+        )
         self._check_local_inputs()
 
     def refresh_codebook(self) -> bool:
@@ -528,22 +503,20 @@ class OptimizerShell(Optimizer):
         """Stage and validate a load on shadow objects; mutates nothing (§8.2)."""
         return prepare_load(self, sd)
 
-    def _checked_prepare(self, sd: Mapping[str, Any], checkpoint_binding: object) -> PreparedLoad:
+    def _check_checkpoint_binding(self, checkpoint_binding: object) -> None:
+        """A ``checkpoint_binding`` must match the installed codebook binding (50-dist.md §7)."""
         if checkpoint_binding is not None and self._binding is None:
             raise BindingError("no codebook binding is installed")
+
+    def _checked_prepare(self, sd: Mapping[str, Any], checkpoint_binding: object) -> PreparedLoad:
+        self._check_checkpoint_binding(checkpoint_binding)
         return self.prepare_load_state_dict(sd)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], *, checkpoint_binding: object = None
     ) -> None:
         """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
-        op = self._operation()
-        prepared = op.local(
-            PHASE_LOAD_VALIDATION, self._checked_prepare, state_dict, checkpoint_binding
-        )
-        prepared.agree(op)
-        prepared.commit()
-        prepared.run_post_hooks()
+        run_load(self, lambda: self._checked_prepare(state_dict, checkpoint_binding))
 
     # -- pickling and copies (§2.4) ---------------------------------------------------------
 

@@ -87,6 +87,8 @@ class EntrySpec:
     ``numel`` is N as the optimizer defines it; ``matrix_shape`` is set only where the factored
     family is possible (a plain 2-D tensor); ``dense_shape=None`` means the (B, P) block grid;
     ``second_moment`` is the family the parameter's group selects now (None: no second moment).
+    ``extra_pairs`` declares optional further keys: a floating dtype means a tensor of that
+    shape and dtype, finite and >= 0; an integer dtype means a Python int >= 0.
     """
 
     numel: int
@@ -256,10 +258,13 @@ def _check_extras(check: _EntryCheck, entry: Mapping[str, Any]) -> None:
         if key not in entry:
             continue
         value = entry[key]
-        if isinstance(value, Tensor):
-            check.tensor(entry, key, dtype, tuple(shape))
+        if dtype.is_floating_point:
+            if not isinstance(value, Tensor):
+                check.fail(f"'{key}' must be a tensor, got {type(value).__name__}")
+            check.non_negative(key, check.tensor(entry, key, dtype, tuple(shape)))
         elif not _is_exact_int(value) or value < 0:
-            check.fail(f"'{key}' must be a tensor or an int >= 0")
+            # A counter is a Python int, as 'step' is (never a tensor: DCP flattens tensors).
+            check.fail(f"'{key}' must be an int >= 0, got {value!r}")
 
 
 def _validate(entry: object, where: str, spec: EntrySpec, values: bool) -> str:

@@ -70,10 +70,48 @@ def uniform_draws(seed: tuple[int, int], numel: int) -> Tensor:
     return torch.from_numpy(draws)
 
 
+# The bucketed count below replaces a binary search per element by a table lookup and a few
+# exact comparisons; it is used for large finite inputs and falls back to searchsorted otherwise.
+_BUCKETS = 8192
+_BUCKETED_MIN_NUMEL = 4096
+_BUCKETED_MAX_WINDOW = 8
+
+
+def _count_below_bucketed(codebook: Tensor, values: Tensor) -> Tensor | None:
+    """``searchsorted(codebook, values, side="left")`` computed exactly, or None (not applicable).
+
+    The range ``[cb[0], cb[-1]]`` is cut into equal buckets; ``first[b]`` counts the codewords
+    below the start of bucket ``b - 1``. The fp32 bucket of a value is off by at most one, so
+    every codeword between ``first[b]`` and the value lies below the end of bucket ``b + 1``:
+    comparing the value with the next ``window`` codewords (exactly, in fp32) completes the count.
+    """
+    lo, hi = float(codebook[0]), float(codebook[-1])
+    if not hi > lo or not bool(torch.isfinite(values).all()):
+        return None
+    width = (hi - lo) / _BUCKETS
+    steps = torch.arange(-1, _BUCKETS + 2, dtype=torch.float64, device=codebook.device)
+    first = torch.searchsorted(codebook.double(), lo + width * steps, side="left")
+    window = int((first[3:] - first[:-3]).max())
+    if window > _BUCKETED_MAX_WINDOW:
+        return None
+    padding = torch.full((window + 1,), float("inf"), device=codebook.device)
+    padded = torch.cat([codebook, padding])
+    buckets = ((values - lo) * (1.0 / width)).floor_().clamp_(0, _BUCKETS - 1).long()
+    start = first[buckets]
+    count = start.clone()
+    for offset in range(window):
+        count += padded[start + offset] < values
+    return count
+
+
 def _neighbours(codebook: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     """Indices (L, R) of the codewords around each value: ``i`` = number of entries ``< x``."""
     last = codebook.numel() - 1
-    above = torch.searchsorted(codebook, values, side="left")
+    above = None
+    if values.numel() >= _BUCKETED_MIN_NUMEL and codebook.numel() > 1:
+        above = _count_below_bucketed(codebook, values)
+    if above is None:
+        above = torch.searchsorted(codebook, values, side="left")
     return (above - 1).clamp(0, last), above.clamp(0, last)
 
 

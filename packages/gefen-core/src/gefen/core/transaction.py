@@ -1,0 +1,161 @@
+"""The step and load transactions, written once (00-architecture.md; 10-core.md §7.1, §8.2).
+
+``run_step`` is the step template of every Gefen optimizer and of composites built from them
+(``GefenMuonHybrid``): one rank-local preflight (pre-hooks, closure, checks) voted once over the
+failure scope, the symmetric agreement checks, one AMP decision, then the prepared phases 4–5
+and the post-hooks. ``run_load`` is the load template: prepare (voted), agree, commit, post-hooks.
+A participant supplies the members named in ``StepParticipant`` / ``LoadParticipant``; the
+templates never touch a private flag of anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from itertools import chain
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from gefen.dist import (
+    PHASE_LOAD_VALIDATION,
+    PHASE_STEP_PREFLIGHT,
+    GuardedOperation,
+    prepare_synchronized_amp_step,
+)
+
+__all__ = [
+    "LoadParticipant",
+    "PreparedLoadLike",
+    "StepParticipant",
+    "amp_controls_present",
+    "copy_containers",
+    "run_load",
+    "run_step",
+]
+
+
+class StepParticipant(Protocol):
+    """What ``run_step`` needs of an optimizer (the public composite members of §1.1)."""
+
+    OWNER_NAME: ClassVar[str]
+    _optimizer_step_pre_hooks: Any
+    _optimizer_step_post_hooks: Any
+
+    def _operation(self) -> GuardedOperation: ...
+    def _check_latch(self) -> None: ...
+    def validate_step_inputs(self, *, amp_present: bool) -> None: ...
+    def step_header_payload(self) -> Any: ...
+    def check_step_agreement(self) -> None: ...
+    def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
+
+
+class PreparedLoadLike(Protocol):
+    def agree(self, operation: GuardedOperation) -> None: ...
+    def commit(self) -> None: ...
+    def run_post_hooks(self) -> None: ...
+
+
+class LoadParticipant(Protocol):
+    def _operation(self) -> GuardedOperation: ...
+
+
+def amp_controls_present(optimizer: object) -> bool:
+    """Whether GradScaler's attributes are on the object it decorated."""
+    return hasattr(optimizer, "found_inf") or hasattr(optimizer, "grad_scale")
+
+
+def _run_pre_hooks(
+    optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    hooks = chain(
+        torch_optimizer._global_optimizer_pre_hooks.values(),
+        optimizer._optimizer_step_pre_hooks.values(),
+    )
+    for hook in hooks:
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"{hook} must return None or a tuple of (new_args, new_kwargs), but got "
+                    f"{result}."
+                )
+            args, kwargs = result
+    return args, kwargs
+
+
+def _local_preflight(
+    optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """Phase 1: latch, pre-hooks, the closure once, then every rank-local check."""
+    optimizer._check_latch()
+    args, kwargs = _run_pre_hooks(optimizer, args, kwargs)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    optimizer.validate_step_inputs(amp_present=amp_controls_present(optimizer))
+    optimizer.step_header_payload()
+    return loss, args, kwargs
+
+
+def _run_post_hooks(
+    optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    hooks = chain(
+        optimizer._optimizer_step_post_hooks.values(),
+        torch_optimizer._global_optimizer_post_hooks.values(),
+    )
+    for hook in hooks:
+        hook(optimizer, args, kwargs)
+
+
+def _drop_amp_controls(optimizer: object) -> None:
+    # GradScaler never reaches its own deletion when step raises; a retry must not unscale
+    # again by a stale scale.
+    for name in ("found_inf", "grad_scale"):
+        if name in optimizer.__dict__:
+            delattr(optimizer, name)
+
+
+def run_step(optimizer: StepParticipant, closure: Callable[[], Any] | None) -> Any:
+    """One transactional step; returns the closure's loss or None."""
+    op = optimizer._operation()
+    args: tuple[Any, ...] = (optimizer,) if closure is None else (optimizer, closure)
+    kwargs: dict[str, Any] = {}
+    loss, args, kwargs = op.local(PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs)
+    optimizer.check_step_agreement()
+    try:
+        with torch.no_grad():
+            proceed = prepare_synchronized_amp_step(optimizer, op.scope, optimizer.OWNER_NAME)
+        if proceed:
+            optimizer.apply_prepared_step(operation=op)
+    except BaseException:
+        _drop_amp_controls(optimizer)
+        raise
+    _run_post_hooks(optimizer, args, kwargs)
+    return loss
+
+
+def run_load(
+    optimizer: LoadParticipant,
+    prepare: Callable[[], PreparedLoadLike],
+) -> None:
+    """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
+    op = optimizer._operation()
+    prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
+    prepared.agree(op)
+    prepared.commit()
+    prepared.run_post_hooks()
+
+
+def copy_containers(value: Any) -> Any:
+    """Copy every dict, list and tuple (never the tensors) so nothing of the caller's changes."""
+    if isinstance(value, Mapping):
+        return {key: copy_containers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [copy_containers(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(copy_containers(item) for item in value)
+    return value

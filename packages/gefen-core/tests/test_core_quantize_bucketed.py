@@ -1,0 +1,85 @@
+"""The bucketed codeword count inside ``nearest_index`` / ``stochastic_index`` equals
+``torch.searchsorted`` exactly (a faster twin of the eager reference, 10-core.md §6.3, §11)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gefen.core.kernels import nearest_index, solve_codebook, stochastic_index
+from gefen.core.kernels import quantize as quantize_module
+
+
+def _learned(seed: int, active: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(4096, dtype=torch.int64)
+    bins = torch.randperm(4094, generator=generator)[:active] + 1
+    counts[bins] = torch.randint(1, 50, (active,), generator=generator)
+    counts[[0, 4095]] = 3
+    return solve_codebook(counts)
+
+
+def _hard_values(codebook: torch.Tensor) -> torch.Tensor:
+    """Codewords, their fp32 neighbours, midpoints, bucket edges ± one ulp, out-of-range."""
+    lo, hi = float(codebook[0]), float(codebook[-1])
+    width = (hi - lo) / quantize_module._BUCKETS
+    edges = (lo + width * torch.arange(0, quantize_module._BUCKETS + 1).double()).float()
+    midpoints = ((codebook[:-1].double() + codebook[1:].double()) / 2).float()
+    parts = [codebook, midpoints, edges]
+    for part in list(parts):
+        parts.append(torch.nextafter(part, torch.full_like(part, 2.0)))
+        parts.append(torch.nextafter(part, torch.full_like(part, -2.0)))
+    generator = torch.Generator().manual_seed(3)
+    parts.append(torch.empty(20_000).uniform_(-1.2, 1.2, generator=generator))
+    parts.append(torch.tensor([-3.0e38, -1.0000001, 1.0000001, 3.0e38, 0.0, -0.0]))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("active", [6, 255, 2000])
+def test_bucketed_count_equals_searchsorted(active: int) -> None:
+    codebook = _learned(active, active)
+    values = _hard_values(codebook)
+    expected = torch.searchsorted(codebook, values, side="left")
+    got = quantize_module._count_below_bucketed(codebook, values)
+    assert got is not None
+    assert torch.equal(got, expected)
+
+
+def test_dense_codebook_clusters_fall_back_to_searchsorted() -> None:
+    # 200 codewords squeezed into one bucket-width region: the comparison window would be huge.
+    dense = torch.linspace(0.0, 1e-5, 200)
+    codebook = torch.cat([torch.tensor([-1.0]), dense, torch.linspace(0.5, 1.0, 55)]).float()
+    values = torch.empty(10_000).uniform_(-1, 1, generator=torch.Generator().manual_seed(4))
+    assert quantize_module._count_below_bucketed(codebook, values) is None
+    expected = torch.searchsorted(codebook, values, side="left")
+    lower, upper = quantize_module._neighbours(codebook, values)
+    assert torch.equal(upper, expected.clamp(0, 255))
+    assert torch.equal(lower, (expected - 1).clamp(0, 255))
+
+
+def test_non_finite_values_take_the_reference_path() -> None:
+    codebook = _learned(1, 255)
+    values = torch.empty(10_000).uniform_(-1, 1, generator=torch.Generator().manual_seed(5))
+    values[[7, 99]] = torch.tensor([float("nan"), float("inf")])
+    assert quantize_module._count_below_bucketed(codebook, values) is None
+    expected = torch.searchsorted(codebook, values, side="left")
+    _, upper = quantize_module._neighbours(codebook, values)
+    assert torch.equal(upper, expected.clamp(0, 255))
+
+
+def _reference_neighbours(codebook: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    above = torch.searchsorted(codebook, values, side="left")
+    return (above - 1).clamp(0, 255), above.clamp(0, 255)
+
+
+@pytest.mark.parametrize("active", [40, 2000])
+def test_quantizers_agree_with_the_searchsorted_reference(
+    active: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    codebook = _learned(active + 1, active)
+    values = _hard_values(codebook).clamp(-1, 1)
+    fast_nearest = nearest_index(codebook, values)
+    fast_stochastic = stochastic_index(codebook, values, seed=(3, 1))
+    monkeypatch.setattr(quantize_module, "_neighbours", _reference_neighbours)
+    assert torch.equal(fast_nearest, nearest_index(codebook, values))
+    assert torch.equal(fast_stochastic, stochastic_index(codebook, values, seed=(3, 1)))

@@ -1,0 +1,309 @@
+"""GefenMuon's part of the checkpoint transaction (20-muon.md §8).
+
+Saving consolidates the entries of ``"distributed"`` parameters from their owners (a
+collective) and records the ``"muon_distributed"`` manifest. Loading validates the manifest and
+every entry fail-closed, then keeps on each rank only the entries it owns under the live world
+size, so a save at one world size resumes at any other and in a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from gefen.core.state import is_initialized, validate_entry
+from gefen.core.validation import local_tensor, parameter_label
+from gefen.dist import BindingError, CheckpointProcessGroupBinding, broadcast_owner_state
+from gefen.muon.kernels import stable_owner
+from gefen.muon.modes import APPROX, DistributedSlot, distributed_slots
+
+if TYPE_CHECKING:
+    from gefen.muon.optimizer import GefenMuon
+
+__all__ = ["check_checkpoint_binding", "consolidated_entries", "manifest", "stage_muon_entries"]
+
+MANIFEST_KEY = "muon_distributed"
+OWNERSHIP = "stable_index_mod_world"
+
+
+def _reject(rule: str) -> ValueError:
+    return ValueError(f"GefenMuon checkpoint: {rule}")
+
+
+def _names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each parameter's name (or ``param_groups[g][i]``), by flat index."""
+    names: list[str] = []
+    for group_index, group in enumerate(groups):
+        for position in range(len(group["params"])):
+            label = parameter_label(group, group_index, position)
+            names.append(group["param_names"][position] if "param_names" in group else label)
+    return names
+
+
+# -- checkpoint bindings (§8 "Checkpoint binding") ------------------------------------------------
+
+
+def check_checkpoint_binding(optimizer: GefenMuon, binding: object) -> None:
+    """The binding must match the installed codebook binding, else the one eligible distributed
+    process group (same handle object, its collective device, one member per rank)."""
+    if binding is None:
+        return
+    if not isinstance(binding, CheckpointProcessGroupBinding):
+        raise TypeError(
+            "checkpoint_binding must be a CheckpointProcessGroupBinding, got "
+            f"{type(binding).__name__}"
+        )
+    installed = optimizer._binding
+    if installed is not None:
+        if binding.process_group is not installed.process_group or (
+            binding.identity != installed.identity
+            or binding.collective_device != installed.collective_device
+        ):
+            raise BindingError("checkpoint_binding does not match the installed codebook binding")
+        return
+    slots = distributed_slots(optimizer._indexed())
+    if len(slots) != 1:
+        raise BindingError(
+            "a checkpoint_binding needs exactly one eligible distributed process group, "
+            f"found {len(slots)}"
+        )
+    channel = slots[0][0].channel
+    if binding.process_group is not channel.process_group:
+        raise BindingError("checkpoint_binding carries another process-group handle object")
+    if binding.collective_device != channel.device:
+        raise BindingError(
+            f"checkpoint_binding collective device {binding.collective_device} differs from "
+            f"the group's {channel.device}"
+        )
+    binding.validate_runtime()
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+
+def consolidated_entries(optimizer: GefenMuon) -> dict[int, dict[str, Any]]:
+    """Every entry by flat index; a distributed parameter's is its owner's, on every rank.
+
+    Collective whenever eligible distributed groups exist: every rank must call it.
+    """
+    indexed = optimizer._indexed()
+    entries = {index: dict(optimizer.state[param]) for index, _, param in indexed}
+    for slots in distributed_slots(indexed):
+        for slot in slots:
+            own = dict(optimizer.state[slot.param]) if slot.is_owner() else None
+            entries[slot.index] = broadcast_owner_state(
+                own, owner=slot.owner, channel=slot.channel, owner_name=optimizer.OWNER_NAME
+            )
+    return entries
+
+
+def manifest(
+    optimizer: GefenMuon, entries: Mapping[int, Mapping[str, Any]]
+) -> dict[str, Any] | None:
+    """The consolidation manifest, or None without eligible distributed groups."""
+    slots_per_group = distributed_slots(optimizer._indexed())
+    if not slots_per_group:
+        return None
+    names = _names(optimizer.param_groups)
+    groups = [
+        {
+            "world_size": slots[0].world,
+            "params": [_manifest_param(slot, names, entries[slot.index]) for slot in slots],
+        }
+        for slots in slots_per_group
+    ]
+    return {"version": 1, "ownership": OWNERSHIP, "consolidated": True, "groups": groups}
+
+
+def _manifest_param(
+    slot: DistributedSlot, names: list[str], entry: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {
+        "saved_id": slot.index,
+        "name": names[slot.index],
+        "shape": [int(size) for size in slot.param.shape],
+        "owner": slot.owner,
+        "state_keys": sorted(entry),
+        "initialized": is_initialized(entry),
+    }
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+class _ManifestCheck:
+    """Rules 2–5 of §8 against the live optimizer and the saved entries (by flat index)."""
+
+    def __init__(
+        self, optimizer: GefenMuon, saved: Mapping[int, Any], groups: list[dict[str, Any]]
+    ) -> None:
+        self.optimizer = optimizer
+        self.saved = saved
+        self.names = _names(groups)
+        self.params = [param for group in groups for param in group["params"]]
+        self.slots = distributed_slots(list(_indexed(groups)))
+
+    def check(self, extras: Mapping[str, Any]) -> None:
+        if MANIFEST_KEY not in extras:
+            self.missing(extras)
+            return
+        built = extras[MANIFEST_KEY]
+        if not isinstance(built, dict):
+            raise _reject("the muon_distributed manifest must be a dict")
+        self.header(built)
+        saved_groups = built.get("groups")
+        if not isinstance(saved_groups, list):
+            raise _reject("manifest 'groups' must be a list")
+        if not self.slots:
+            self.rebind(saved_groups)
+            return
+        if len(saved_groups) != len(self.slots):
+            raise _reject(
+                f"manifest lists {len(saved_groups)} process groups, the live optimizer has "
+                f"{len(self.slots)} eligible ones"
+            )
+        for saved_group, slots in zip(saved_groups, self.slots, strict=True):
+            self.group(saved_group, [slot.index for slot in slots])
+
+    def header(self, built: Mapping[str, Any]) -> None:
+        if type(built.get("version")) is not int or built["version"] != 1:
+            raise _reject("manifest version must be the int 1")
+        if built.get("ownership") != OWNERSHIP:
+            raise _reject(f"manifest ownership must be {OWNERSHIP!r}")
+        if built.get("consolidated") is not True:
+            raise _reject("manifest 'consolidated' must be True")
+
+    def missing(self, extras: Mapping[str, Any]) -> None:
+        if not self.slots:
+            return
+        pristine = (
+            extras["global_step"] == 0
+            and extras["codebook"] is None
+            and all(set(entry) <= {"period"} for entry in self.saved.values())
+        )
+        eligible = [slot.index for slots in self.slots for slot in slots]
+        if pristine or all(is_initialized(self.saved.get(i, {})) for i in eligible):
+            return
+        raise _reject("consolidation marker is missing (a distributed save must be consolidated)")
+
+    def rebind(self, saved_groups: list[Any]) -> None:
+        """No live eligible group: each saved id must name exactly one live parameter."""
+        seen: set[int] = set()
+        for saved_group in saved_groups:
+            params = self.group_params(saved_group)
+            for item in params:
+                ident = item.get("saved_id") if isinstance(item, dict) else None
+                if type(ident) is not int or not 0 <= ident < len(self.params) or ident in seen:
+                    raise _reject(f"manifest saved_id {ident!r} does not name one live parameter")
+                seen.add(ident)
+            self.params_match(saved_group, [item["saved_id"] for item in params])
+
+    def group_params(self, saved_group: object) -> list[Any]:
+        if not isinstance(saved_group, dict):
+            raise _reject("manifest group entries must be dicts")
+        world = saved_group.get("world_size")
+        if type(world) is not int or world < 1:
+            raise _reject(f"manifest world_size must be an int >= 1, got {world!r}")
+        params = saved_group.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, dict) for p in params):
+            raise _reject("manifest group 'params' must be a list of dicts")
+        return params
+
+    def group(self, saved_group: object, expected: list[int]) -> None:
+        params = self.group_params(saved_group)
+        assert isinstance(saved_group, dict)
+        ids = [item.get("saved_id") for item in params]
+        if len(set(map(repr, ids))) != len(ids) or ids != expected:
+            raise _reject(
+                f"manifest ids {ids} differ from the ordered eligible parameters {expected}"
+            )
+        self.params_match(saved_group, expected)
+
+    def params_match(self, saved_group: Mapping[str, Any], ids: list[int]) -> None:
+        world = saved_group["world_size"]
+        for position, (item, ident) in enumerate(zip(saved_group["params"], ids, strict=True)):
+            param = self.params[ident]
+            if item.get("name") != self.names[ident]:
+                raise _reject(
+                    f"manifest name {item.get('name')!r} differs from {self.names[ident]!r}"
+                )
+            if item.get("shape") != [int(size) for size in param.shape]:
+                raise _reject(f"manifest shape of {self.names[ident]!r} differs")
+            if item.get("owner") != stable_owner(position, world):
+                raise _reject(f"manifest owner of {self.names[ident]!r} is not position mod world")
+            entry = self.saved.get(ident, {})
+            keys = item.get("state_keys")
+            if (
+                not isinstance(keys, list)
+                or any(type(key) is not str for key in keys)
+                or len(set(keys)) != len(keys)
+                or keys != sorted(entry)
+            ):
+                raise _reject(f"manifest state_keys of {self.names[ident]!r} differ from its entry")
+            initialized = item.get("initialized")
+            if type(initialized) is not bool or initialized != is_initialized(entry):
+                raise _reject(f"manifest 'initialized' of {self.names[ident]!r} is wrong")
+
+
+def _indexed(groups: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], Tensor]]:
+    flat = ((group, param) for group in groups for param in group["params"])
+    return [(index, group, param) for index, (group, param) in enumerate(flat)]
+
+
+def _structural_modes(optimizer: GefenMuon, groups: list[dict[str, Any]]) -> None:
+    """``sharded_mode`` is never overwritten by a load; approx never exchanges with the rest."""
+    for index, (staged, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        saved_mode, live_mode = staged["sharded_mode"], live["sharded_mode"]
+        if (saved_mode == APPROX) != (live_mode == APPROX):
+            raise _reject(
+                f"group {index}: sharded_mode {saved_mode!r} cannot load into {live_mode!r} "
+                "(approx state is rank-local; exact and distributed state is global)"
+            )
+        staged["sharded_mode"] = live_mode
+
+
+def _stage_entry(
+    optimizer: GefenMuon, group: Mapping[str, Any], param: Tensor, saved: Any, where: str
+) -> dict[str, Any]:
+    if saved is None:
+        return {"period": 0}
+    spec = optimizer._entry_spec(group, param)
+    variant = validate_entry(saved, where=where, **spec.kwargs())
+    if variant == "uninitialized":
+        return {"period": saved["period"]}
+    live = "q8" if optimizer.defaults["momentum_codec"] == "codebook8" else "fp32"
+    if variant != live:
+        raise ValueError(f"{where}: the entry belongs to the other momentum codec ({variant})")
+    if ("normuon_v" in saved) != ("normuon_step" in saved):
+        raise ValueError(f"{where}: 'normuon_v' and 'normuon_step' must appear together")
+    if "normuon_v" in saved and not isinstance(saved["normuon_v"], Tensor):
+        raise ValueError(f"{where}: 'normuon_v' must be a tensor")
+    device = local_tensor(param).device
+    return {
+        key: value.detach().to(device=device, copy=True) if isinstance(value, Tensor) else value
+        for key, value in saved.items()
+    }
+
+
+def stage_muon_entries(
+    optimizer: GefenMuon,
+    saved_state: Mapping[int, Any],
+    groups: list[dict[str, Any]],
+    extras: Mapping[str, Any],
+) -> dict[int, dict[str, Any]]:
+    """Shadow entries by flat position, validated; non-owned distributed entries dropped."""
+    _structural_modes(optimizer, groups)
+    _ManifestCheck(optimizer, saved_state, groups).check(extras)
+    staged: dict[int, dict[str, Any]] = {}
+    for group_index, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            index = len(staged)
+            where = f"GefenMuon checkpoint: entry {parameter_label(group, group_index, position)}"
+            staged[index] = _stage_entry(optimizer, group, param, saved_state.get(index), where)
+    for slots in distributed_slots(_indexed(groups)):
+        for slot in slots:
+            if not slot.is_owner():
+                staged[slot.index] = {"period": staged[slot.index].get("period", 0)}
+    return staged
