@@ -1,0 +1,123 @@
+"""An AdamW backup's load, staged on a shadow (30-hybrid.md §8 step 5).
+
+torch's ``Optimizer.load_state_dict`` mutates before it can fail, so the hybrid runs it on a
+shadow optimizer built from a copy of the live groups, after validating the checkpoint itself;
+the live AdamW is only touched by the final, non-throwing swap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.core.transaction import copy_containers
+
+__all__ = ["PreparedAdamWLoad", "prepare_adamw_load"]
+
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def _reject(reason: str) -> ValueError:
+    return ValueError(f"GefenMuonHybrid checkpoint: AdamW backup: {reason}")
+
+
+@dataclass(eq=False)
+class PreparedAdamWLoad:
+    """The shadow's state and groups; ``commit`` swaps them in by assignment only."""
+
+    backup: torch.optim.Optimizer
+    state: Any
+    param_groups: list[dict[str, Any]]
+
+    def commit(self) -> None:
+        self.backup.state = self.state
+        self.backup.param_groups = self.param_groups
+
+    def run_post_hooks(self) -> None:
+        for hook in self.backup._optimizer_load_state_dict_post_hooks.values():
+            hook(self.backup)
+
+
+def _check_step(where: str, step: object) -> None:
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or step.is_complex():
+            raise _reject(f"{where}: 'step' must be a 1-element real tensor or a number")
+        value = float(step.detach().reshape(()).item())
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        value = float(step)
+    else:
+        raise _reject(f"{where}: 'step' must be a number, got {type(step).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise _reject(f"{where}: 'step' must be finite and >= 0, got {value}")
+
+
+def _check_entry(where: str, entry: object, param: Tensor, amsgrad: bool) -> None:
+    if not isinstance(entry, Mapping):
+        raise _reject(f"{where}: the entry must be a dict")
+    if not entry:
+        return
+    required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    for key in required:
+        if key not in entry:
+            raise _reject(f"{where}: missing '{key}'")
+    _check_step(where, entry["step"])
+    for key in required[1:]:
+        value = entry[key]
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(param.shape):
+            raise _reject(f"{where}: '{key}' must be a tensor of shape {tuple(param.shape)}")
+
+
+def _validate(backup: torch.optim.Optimizer, sd: object) -> None:
+    if not isinstance(sd, Mapping):
+        raise _reject("the state dict must be a dict")
+    state, groups = sd.get("state"), sd.get("param_groups")
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        raise _reject("needs 'state' (a dict) and 'param_groups' (a list)")
+    live = backup.param_groups
+    if len(groups) != len(live):
+        raise _reject(f"the group count {len(groups)} differs from the live count {len(live)}")
+    for index, (saved, group) in enumerate(zip(groups, live, strict=True)):
+        ids = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(ids, list) or len(ids) != len(group["params"]):
+            raise _reject(f"group {index} must list {len(group['params'])} parameters")
+        amsgrad = bool(saved.get("amsgrad", group.get("amsgrad", False)))
+        for ident, param in zip(ids, group["params"], strict=True):
+            if ident in state:
+                _check_entry(f"group {index} entry {ident!r}", state[ident], param, amsgrad)
+
+
+def _shadow(backup: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    shadow: torch.optim.Optimizer = object.__new__(type(backup))
+    shadow.__dict__.update(backup.__dict__)
+    shadow.defaults = dict(backup.defaults)
+    shadow.state = defaultdict(dict)
+    shadow.param_groups = [dict(group) for group in backup.param_groups]
+    for name in _HOOK_DICTS:
+        setattr(shadow, name, OrderedDict())
+    return shadow
+
+
+def prepare_adamw_load(backup: torch.optim.Optimizer, sd: Any) -> PreparedAdamWLoad:
+    """Copy, run the backup's load pre-hooks on the copy, validate, load into a shadow."""
+    copied = copy_containers(sd)
+    for hook in backup._optimizer_load_state_dict_pre_hooks.values():
+        replaced = hook(backup, copied)
+        if replaced is not None:
+            copied = replaced
+    _validate(backup, copied)
+    shadow = _shadow(backup)
+    torch.optim.Optimizer.load_state_dict(shadow, copied)
+    return PreparedAdamWLoad(backup, shadow.state, shadow.param_groups)

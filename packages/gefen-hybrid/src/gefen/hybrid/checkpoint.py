@@ -1,0 +1,104 @@
+"""The hybrid's nested checkpoint and its atomic load (30-hybrid.md §8).
+
+``prepare_hybrid_load`` runs steps 1–5 (pre-hooks on a copy, schema, half presence, backend tag,
+staging of both children) and returns a ``PreparedHybridLoad``; the shared load template of
+``gefen.core.transaction`` votes it, agrees, commits and fires the post-hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gefen.core.shell import PreparedLoad
+from gefen.core.transaction import copy_containers
+from gefen.dist import GuardedOperation
+from gefen.hybrid.adamw_backup import PreparedAdamWLoad, prepare_adamw_load
+
+if TYPE_CHECKING:
+    from gefen.hybrid.optimizer import GefenMuonHybrid
+
+__all__ = ["PreparedHybridLoad", "build_hybrid_state_dict", "prepare_hybrid_load"]
+
+_PREFIX = "GefenMuonHybrid checkpoint: "
+_SCHEMA = (
+    _PREFIX + "expects the nested {'muon', 'backup', 'backup_optimizer'} layout; standard "
+    "{'state', 'param_groups'} checkpoints (e.g. consolidated or converted FSDP/DeepSpeed "
+    "checkpoints) are not supported"
+)
+
+
+def build_hybrid_state_dict(hybrid: GefenMuonHybrid) -> dict[str, Any]:
+    """The nested dict of §8, from the children's public ``state_dict()`` (their hooks fire)."""
+    return {
+        "muon": None if hybrid.muon is None else hybrid.muon.state_dict(),
+        "backup": None if hybrid.backup is None else hybrid.backup.state_dict(),
+        "backup_optimizer": hybrid.backup_optimizer,
+    }
+
+
+@dataclass(eq=False)
+class PreparedHybridLoad:
+    """Both children's staged loads; ``commit`` cannot fail."""
+
+    hybrid: GefenMuonHybrid
+    muon: PreparedLoad | None
+    backup: PreparedLoad | PreparedAdamWLoad | None
+
+    def agree(self, operation: GuardedOperation) -> None:
+        for prepared in (self.muon, self.backup):
+            if isinstance(prepared, PreparedLoad):
+                prepared.agree(operation)
+
+    def commit(self) -> None:
+        for prepared in (self.muon, self.backup):
+            if prepared is not None:
+                prepared.commit()
+        self.hybrid._commit_failed = False
+
+    def run_post_hooks(self) -> None:
+        for prepared in (self.muon, self.backup):
+            if prepared is not None:
+                prepared.run_post_hooks()
+        for hook in self.hybrid._optimizer_load_state_dict_post_hooks.values():
+            hook(self.hybrid)
+
+
+def _check_halves(hybrid: GefenMuonHybrid, sd: Mapping[str, Any]) -> None:
+    for half, live in (("muon", hybrid.muon), ("backup", hybrid.backup)):
+        saved = sd.get(half)
+        if live is None and saved is not None:
+            raise ValueError(f"{_PREFIX}carries a '{half}' half but this optimizer has none")
+        if live is not None and saved is None:
+            raise ValueError(
+                f"{_PREFIX}lacks the '{half}' half; loading would silently reset its state"
+            )
+    if sd.get("backup") is not None:
+        saved_tag = sd.get("backup_optimizer")
+        if saved_tag != hybrid.backup_optimizer or type(saved_tag) is not str:
+            raise ValueError(
+                f"{_PREFIX}backup_optimizer={saved_tag!r} does not match "
+                f"backup_optimizer={hybrid.backup_optimizer!r}; there is no cross-backend "
+                "conversion"
+            )
+
+
+def prepare_hybrid_load(hybrid: GefenMuonHybrid, state_dict: Any) -> PreparedHybridLoad:
+    """Steps 1–5 of §8: nothing of the hybrid, its children or the caller's dict changes."""
+    copied = copy_containers(state_dict)
+    for hook in hybrid._optimizer_load_state_dict_pre_hooks.values():
+        replaced = hook(hybrid, copied)
+        if replaced is not None:
+            copied = replaced
+    if not isinstance(copied, Mapping) or ("muon" not in copied and "backup" not in copied):
+        raise ValueError(_SCHEMA)
+    _check_halves(hybrid, copied)
+    muon = None if hybrid.muon is None else hybrid.muon.prepare_load_state_dict(copied["muon"])
+    backup: PreparedLoad | PreparedAdamWLoad | None = None
+    if hybrid.backup is not None:
+        if hybrid.backup_optimizer == "adamw":
+            backup = prepare_adamw_load(hybrid.backup, copied["backup"])
+        else:
+            backup = hybrid.backup.prepare_load_state_dict(copied["backup"])  # type: ignore[attr-defined]
+    return PreparedHybridLoad(hybrid, muon, backup)

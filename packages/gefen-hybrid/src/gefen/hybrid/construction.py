@@ -1,0 +1,228 @@
+"""Building a hybrid: option checks, the three constructor forms, the children (30-hybrid.md §3–§4).
+
+Every check runs before any child exists; a child's own constructor error propagates and no
+partial hybrid is published.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gefen.core import Gefen
+from gefen.hybrid.routing import (
+    DEFAULT_BACKUP_SUBSTRINGS,
+    NamedParams,
+    route_pairs,
+    split_params_for_muon,
+    validate_split,
+)
+from gefen.muon import GefenMuon
+
+__all__ = ["HybridConfig", "build_children", "resolve_lists"]
+
+_SUBSTRINGS_ONLY_FOR_ROUTING = (
+    "backup_substrings is only valid when the first argument is a module or a (name, parameter) "
+    "iterable"
+)
+_ZERO3 = (
+    "GefenMuonHybrid received only zero-numel backup parameters and no Muon parameters: this is "
+    "the DeepSpeed ZeRO stage 3 placeholder signature; use plain Gefen"
+)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The constructor's options, with the ``None`` fallbacks of §3 resolved."""
+
+    lr: float
+    muon_lr: float
+    backup_lr: float
+    muon_weight_decay: float
+    backup_weight_decay: float
+    backup_optimizer: str
+    no_decay_substrings: tuple[str, ...]
+    betas: tuple[float, float]
+    eps: float
+    backup_1d_period_one: bool
+    backup_2d_period_one: bool
+    backup_adamw_kwargs: Mapping[str, Any] | None
+    backup_factored_v_2d: bool
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    ns_schedule: Any
+    adjust_lr_fn: str | None
+    muon_eps: float
+    momentum_codec: str
+    sharded_mode: str
+    normuon: bool
+    normuon_beta2: float
+    normuon_eps: float
+    fused: bool | None
+    stochastic_round: bool
+    deterministic: bool
+    check_finite: bool
+    muon_lr_given: bool
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> HybridConfig:
+        """Checks 1–3 of §3, then the fallbacks."""
+        for name in ("deterministic", "check_finite"):
+            if type(options[name]) is not bool:
+                raise TypeError(f"{name} must be a bool, got {type(options[name]).__name__}")
+        backend = options["backup_optimizer"]
+        if backend not in ("gefen", "adamw"):
+            raise ValueError(f"backup_optimizer must be 'gefen' or 'adamw', got {backend!r}")
+        _check_backend_options(options, backend)
+        resolved = dict(options)
+        resolved["muon_lr_given"] = options["muon_lr"] is not None
+        for specific, shared in (
+            ("muon_lr", "lr"),
+            ("backup_lr", "lr"),
+            ("muon_weight_decay", "weight_decay"),
+            ("backup_weight_decay", "weight_decay"),
+        ):
+            if resolved[specific] is None:
+                resolved[specific] = options[shared]
+        resolved["no_decay_substrings"] = tuple(options["no_decay_substrings"])
+        names = {field.name for field in fields(cls)}
+        return cls(**{name: resolved[name] for name in names})
+
+
+def _check_backend_options(options: Mapping[str, Any], backend: str) -> None:
+    if backend == "adamw":
+        for name, default in (
+            ("backup_1d_period_one", False),
+            ("backup_2d_period_one", False),
+            ("backup_factored_v_2d", True),
+        ):
+            if options[name] != default:
+                raise ValueError(f"{name}={options[name]!r} applies to the Gefen backup only, "
+                                 "not to backup_optimizer='adamw'")  # fmt: skip
+    elif options["backup_adamw_kwargs"] is not None:
+        raise ValueError(
+            "backup_adamw_kwargs applies to backup_optimizer='adamw' only, not to 'gefen'"
+        )
+
+
+def resolve_lists(
+    first: Any, backup_list: Any, backup_substrings: Sequence[str] | None
+) -> tuple[NamedParams, NamedParams]:
+    """Checks 4–7 of §3: resolve the form, split, reject empty and ZeRO-3 input, validate."""
+    substrings = (
+        DEFAULT_BACKUP_SUBSTRINGS if backup_substrings is None else tuple(backup_substrings)
+    )
+    model: nn.Module | None = None
+    if backup_list is not None:
+        if backup_substrings is not None or isinstance(first, nn.Module):
+            raise TypeError(_SUBSTRINGS_ONLY_FOR_ROUTING)
+        muon, backup = list(first), list(backup_list)
+    elif isinstance(first, nn.Module):
+        model = first
+        muon, backup = split_params_for_muon(first, substrings)
+    elif isinstance(first, Tensor):
+        raise TypeError(
+            "GefenMuonHybrid cannot route bare tensors: pass model.named_parameters(), a "
+            "module, or use GefenMuonHybrid.from_model"
+        )
+    else:
+        muon, backup = route_pairs(first, substrings)
+    if not muon and not backup:
+        raise ValueError("GefenMuonHybrid received no parameters to optimize")
+    if not muon and all(_is_empty_pair(item) for item in backup):
+        raise ValueError(_ZERO3)
+    return validate_split(muon, backup, model)
+
+
+def _is_empty_pair(item: object) -> bool:
+    return (
+        isinstance(item, (tuple, list))
+        and len(item) == 2
+        and isinstance(item[1], Tensor)
+        and item[1].numel() == 0
+    )
+
+
+def _backup_groups(config: HybridConfig, pairs: NamedParams) -> list[dict[str, Any]]:
+    if not config.no_decay_substrings:
+        return [{"params": pairs}]
+    tokens = [token.lower() for token in config.no_decay_substrings]
+    no_decay = [pair for pair in pairs if any(t in pair[0].lower() for t in tokens)]
+    decay = [pair for pair in pairs if pair not in no_decay]
+    groups = [
+        {"params": decay, "weight_decay": config.backup_weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def _muon_child(config: HybridConfig, pairs: NamedParams) -> GefenMuon:
+    return GefenMuon(
+        [{"params": pairs}],
+        lr=config.muon_lr,
+        weight_decay=config.muon_weight_decay,
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        eps=config.muon_eps,
+        ns_steps=config.ns_steps,
+        adjust_lr_fn=config.adjust_lr_fn,
+        ns_schedule=config.ns_schedule,
+        momentum_codec=config.momentum_codec,
+        sharded_mode=config.sharded_mode,
+        normuon=config.normuon,
+        normuon_beta2=config.normuon_beta2,
+        normuon_eps=config.normuon_eps,
+        fused=config.fused,
+        stochastic_round=config.stochastic_round,
+        deterministic=config.deterministic,
+        check_finite=config.check_finite,
+    )
+
+
+def _backup_child(config: HybridConfig, pairs: NamedParams) -> torch.optim.Optimizer:
+    groups = _backup_groups(config, pairs)
+    if config.backup_optimizer == "adamw":
+        return torch.optim.AdamW(
+            groups,
+            lr=config.backup_lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.backup_weight_decay,
+            **dict(config.backup_adamw_kwargs or {}),
+        )
+    return Gefen(
+        groups,
+        lr=config.backup_lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.backup_weight_decay,
+        factored_v_2d=config.backup_factored_v_2d,
+        force_1d_period_one=config.backup_1d_period_one,
+        force_2d_period_one=config.backup_2d_period_one,
+        fused=config.fused,
+        stochastic_round=config.stochastic_round,
+        deterministic=config.deterministic,
+        check_finite=config.check_finite,
+    )
+
+
+def build_children(
+    config: HybridConfig, muon_pairs: NamedParams, backup_pairs: NamedParams
+) -> tuple[GefenMuon | None, torch.optim.Optimizer | None]:
+    """Check 8 (the learning-rate warning), then step 9: Muon first, then the backup."""
+    if config.adjust_lr_fn in (None, "original") and not config.muon_lr_given:
+        warnings.warn(
+            f"adjust_lr_fn={config.adjust_lr_fn!r} with a shared lr expects Muon-scale learning "
+            "rates; use 'match_rms_adamw' or set muon_lr",
+            UserWarning,
+            stacklevel=3,
+        )
+    muon = _muon_child(config, muon_pairs) if muon_pairs else None
+    backup = _backup_child(config, backup_pairs) if backup_pairs else None
+    return muon, backup

@@ -1,0 +1,307 @@
+"""``GefenMuonHybrid``: one optimizer for a whole model (30-hybrid.md).
+
+2-D hidden matrices go to a ``GefenMuon`` child, everything else to a ``Gefen`` or
+``torch.optim.AdamW`` backup. The hybrid runs the shared step and load transactions of
+``gefen.core.transaction`` once, over both children: one preflight voted over the union failure
+scope, one AMP decision, then each child's prepared phases 4–5.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from gefen.contracts import OptimizerContract
+from gefen.core import Gefen
+from gefen.core.shell import amp_scaling_supported
+from gefen.core.transaction import run_load, run_step
+from gefen.core.validation import check_finite_gradients, local_tensor, validate_gradient_structure
+from gefen.dist import Channel, GuardedOperation, collect_failure_scope, cuda_graph_capturing
+from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
+from gefen.hybrid.construction import HybridConfig, build_children, resolve_lists
+from gefen.hybrid.state_view import HybridState
+from gefen.muon import GefenMuon
+
+__all__ = ["GefenMuonHybrid"]
+
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+_LATCHED = (
+    "GefenMuonHybrid: previous step failed during commit; load a checkpoint with "
+    "load_state_dict to continue"
+)
+
+
+class GefenMuonHybrid(torch.optim.Optimizer):
+    """Muon for hidden matrices, Gefen (or AdamW) for the rest, as one torch optimizer."""
+
+    OWNER_NAME: ClassVar[str] = "GefenMuonHybrid"
+    _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        "muon",
+        "backup",
+        "backup_optimizer",
+        "_check_finite",
+        "_commit_failed",
+        *_HOOK_DICTS,
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step.hooked = True  # type: ignore[attr-defined]
+
+    def __init__(
+        self,
+        muon_named_params: Any,
+        backup_named_params: Any = None,
+        *,
+        lr: float,
+        muon_lr: float | None = None,
+        backup_lr: float | None = None,
+        weight_decay: float = 0.0,
+        muon_weight_decay: float | None = None,
+        backup_weight_decay: float | None = None,
+        backup_optimizer: str = "gefen",
+        backup_substrings: Sequence[str] | None = None,
+        no_decay_substrings: Sequence[str] = (),
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        backup_1d_period_one: bool = False,
+        backup_2d_period_one: bool = False,
+        backup_adamw_kwargs: Mapping[str, Any] | None = None,
+        backup_factored_v_2d: bool = True,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_schedule: Any = "standard",
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        muon_eps: float = 1e-7,
+        momentum_codec: str = "codebook8",
+        sharded_mode: str = "exact",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        fused: bool | None = None,
+        stochastic_round: bool = False,
+        deterministic: bool = False,
+        check_finite: bool = True,
+    ) -> None:
+        options = dict(locals())
+        config = HybridConfig.from_options(options)
+        muon_pairs, backup_pairs = resolve_lists(
+            muon_named_params, backup_named_params, backup_substrings
+        )
+        muon, backup = build_children(config, muon_pairs, backup_pairs)
+        self.muon: GefenMuon | None = muon
+        self.backup: torch.optim.Optimizer | None = backup
+        self.backup_optimizer = backup_optimizer
+        self._check_finite = check_finite
+        self._commit_failed = False
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._rebuild_registry()
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, *, lr: float, backup_substrings: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> GefenMuonHybrid:  # fmt: skip
+        """Route ``model``'s trainable parameters (module form) and build the hybrid."""
+        return cls(model, lr=lr, backup_substrings=backup_substrings, **kwargs)
+
+    # -- children, registry and the torch-facing surface -------------------------------------
+
+    @property
+    def _children(self) -> tuple[torch.optim.Optimizer, ...]:
+        return tuple(child for child in (self.muon, self.backup) if child is not None)
+
+    def _roles(self) -> tuple[tuple[str, torch.optim.Optimizer], ...]:
+        pairs = (("muon", self.muon), ("backup", self.backup))
+        return tuple((role, child) for role, child in pairs if child is not None)
+
+    def _rebuild_registry(self) -> None:
+        """Derived data (never pickled): who owns each parameter, and each child's layout."""
+        owners: dict[Tensor, torch.optim.Optimizer] = {}
+        snapshots = []
+        for role, child in self._roles():
+            groups = tuple(tuple(group["params"]) for group in child.param_groups)
+            snapshots.append((role, child, groups))
+            for group in groups:
+                for param in group:
+                    owners[param] = child
+        self._registry: Mapping[Tensor, torch.optim.Optimizer] = MappingProxyType(owners)
+        self._snapshots = tuple(snapshots)
+
+    def _owner_of(self, key: object) -> torch.optim.Optimizer | None:
+        if not isinstance(key, Tensor):
+            return None
+        return self._registry.get(key)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """A new list of the children's live group dicts: Muon's, then the backup's."""
+        return [group for child in self._children for group in child.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        raise TypeError(
+            "GefenMuonHybrid.param_groups cannot be assigned; wrappers that replace "
+            "param_groups (e.g. DeepSpeed ZeRO) are not supported"
+        )
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._children[0].defaults
+
+    @property
+    def state(self) -> HybridState:  # type: ignore[override]
+        return HybridState(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self._children:
+            child.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "GefenMuonHybrid does not support add_param_group; build a new hybrid"
+        )
+
+    def __repr__(self) -> str:
+        muon = 0 if self.muon is None else sum(len(g["params"]) for g in self.muon.param_groups)
+        backup = (
+            0 if self.backup is None else sum(len(g["params"]) for g in self.backup.param_groups)
+        )
+        return (
+            f"GefenMuonHybrid(muon_params={muon}, backup_params={backup}, "
+            f"backup_optimizer={self.backup_optimizer!r})"
+        )
+
+    # -- the composite step protocol (30-hybrid.md §6–§7) ------------------------------------
+
+    def step_failure_scope(self) -> tuple[Channel, ...]:
+        """The union scope of both children's groups; pure."""
+        return collect_failure_scope(self.param_groups)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return amp_scaling_supported(self.param_groups, self.step_failure_scope())
+
+    def _operation(self) -> GuardedOperation:
+        return GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
+
+    def _check_layout(self) -> None:
+        for role, child, groups in self._snapshots:
+            live = child.param_groups
+            for index, expected in enumerate(groups):
+                params = live[index]["params"] if index < len(live) else []
+                for position, param in enumerate(expected):
+                    if position >= len(params) or params[position] is not param:
+                        raise RuntimeError(
+                            "GefenMuonHybrid parameter layout changed after construction: "
+                            f"{role} group {index} position {position} holds a different tensor"
+                        )
+            if len(live) != len(groups) or any(
+                len(group["params"]) != len(expected)
+                for group, expected in zip(live, groups, strict=True)
+            ):
+                raise RuntimeError(
+                    f"GefenMuonHybrid parameter layout changed after construction: {role} "
+                    "groups were added, removed or resized"
+                )
+
+    def _check_latch(self) -> None:
+        if self._commit_failed:
+            raise RuntimeError(_LATCHED)
+        self._check_layout()
+
+    def validate_step_inputs(self, *, amp_present: bool) -> None:
+        """Rank-local, no collective, no mutation: layout, then each child's checks."""
+        self._check_layout()
+        if self.muon is not None:
+            self.muon.validate_step_inputs(amp_present=amp_present)
+        if isinstance(self.backup, Gefen):
+            self.backup.validate_step_inputs(amp_present=amp_present)
+        elif self.backup is not None:
+            groups = self.backup.param_groups
+            validate_gradient_structure(groups, owner=self.OWNER_NAME, require_2d=False)
+            if self._check_finite and not amp_present:
+                check_finite_gradients(groups)
+
+    def step_header_payload(self) -> list[int] | None:
+        return None
+
+    def check_step_agreement(self) -> None:
+        if self.muon is not None:
+            self.muon.check_step_agreement()
+
+    def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
+        """Phases 4–5 child by child (Muon first); a failure latches the hybrid."""
+        op = operation if operation is not None else self._operation()
+        try:
+            with torch.no_grad():
+                if self.muon is not None:
+                    self.muon.apply_prepared_step(operation=op)
+                if isinstance(self.backup, Gefen):
+                    self.backup.apply_prepared_step(operation=op)
+                elif self.backup is not None:
+                    self.backup.step()
+        except BaseException:
+            self._commit_failed = True
+            raise
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One transactional step over both children; returns the closure's loss or None."""
+        params = [local_tensor(p) for group in self.param_groups for p in group["params"]]
+        if cuda_graph_capturing(params):
+            raise RuntimeError("GefenMuonHybrid does not support CUDA graph capture")
+        return run_step(self, closure)
+
+    # -- checkpoints (§8) ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        result = build_hybrid_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, result)
+            if replaced is not None:
+                result = replaced
+        return result
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Atomic over both children: prepare (voted), agree, commit, post-hooks."""
+        run_load(self, lambda: prepare_hybrid_load(self, state_dict))
+
+    # -- contract (§9) ------------------------------------------------------------------------
+
+    def optimizer_contract(self) -> OptimizerContract:
+        from gefen.hybrid.contract import hybrid_contract
+
+        return hybrid_contract(self)
+
+    # -- pickling and copies ------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            name: self.__dict__[name] for name in self._PICKLED_ATTRIBUTES if name in self.__dict__
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in _HOOK_DICTS:
+            self.__dict__.setdefault(name, OrderedDict())
+        self._rebuild_registry()
+
+
+GefenMuonHybrid.step.hooked = True  # type: ignore[attr-defined]
