@@ -11,22 +11,13 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
-from gefen.core.state import entry_family, migrate_family, validate_entry
+from gefen.core.state import copy_entry, entry_family, migrate_family, validate_entry
 from gefen.core.validation import local_tensor, parameter_label
 
 if TYPE_CHECKING:
     from gefen.core.optimizer import Gefen
 
 __all__ = ["stage_gefen_entries"]
-
-
-def _copied(entry: Mapping[str, Any], device: Any) -> dict[str, Any]:
-    return {
-        key: value.detach().to(device=device, copy=True) if isinstance(value, Tensor) else value
-        for key, value in entry.items()
-    }
 
 
 def stage_gefen_entries(
@@ -69,7 +60,7 @@ def _stage_one(
     if not variant.startswith(codec_prefix + "_"):
         raise ValueError(f"{where}: the entry belongs to the other momentum codec ({variant})")
     device = local_tensor(param).device
-    entry = _copied(saved, device)
+    entry = copy_entry(saved, device)
     if entry_family(entry) != spec.second_moment:
         warnings.warn(
             f"{where}: migrated to the {spec.second_moment} second-moment family "

@@ -30,6 +30,7 @@ from gefen.core.options import (
     check_optimizer_wide,
     validate_gefen_options,
 )
+from gefen.core.options import lr_value as _lr_value  # module attribute: tests count reads
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import (
     CodecKeys,
@@ -52,14 +53,6 @@ class _StagedUpdate:
     param: Tensor
     entry: dict[str, Any]
     value: Tensor | None
-
-
-def _lr_value(lr: object) -> float:
-    """The group lr as a Python float; ``_prepare_step`` calls it once per group per step, so a
-    tensor lr costs one host read per group (§6.1 step 6)."""
-    if isinstance(lr, Tensor):
-        return float(lr.detach().reshape(()).item())
-    return float(lr)  # type: ignore[arg-type]
 
 
 class Gefen(OptimizerShell):

@@ -22,6 +22,7 @@ __all__ = [
     "check_flag",
     "check_lr",
     "check_optimizer_wide",
+    "lr_value",
     "validate_gefen_options",
 ]
 
@@ -142,3 +143,11 @@ def check_optimizer_wide(
 
 def _same_option(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
+
+
+def lr_value(lr: object) -> float:
+    """A group lr as a Python float (a tensor lr costs one host read; read it once per group
+    per step)."""
+    if isinstance(lr, torch.Tensor):
+        return float(lr.detach().reshape(()).item())
+    return float(lr)  # type: ignore[arg-type]

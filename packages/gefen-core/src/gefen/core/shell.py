@@ -10,7 +10,6 @@ composite drives the public members ``step_failure_scope``, ``validate_step_inpu
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -32,7 +31,7 @@ from gefen.core.learning import (
 )
 from gefen.core.options import check_optimizer_wide
 from gefen.core.state import CodecKeys, EntrySpec, entry_matches, is_initialized
-from gefen.core.transaction import run_load, run_step
+from gefen.core.transaction import HOOK_DICTS, HookedStepState, run_load, run_step
 from gefen.core.validation import (
     SUPPORTED_DTYPES,
     check_finite_gradients,
@@ -54,14 +53,6 @@ __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 
 _DUPLICATE = "some parameters appear in more than one parameter group"
 _LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 
 
 def amp_scaling_supported(
@@ -93,7 +84,7 @@ def _check_param_tensor(param: object) -> Tensor:
     return param
 
 
-class OptimizerShell(Optimizer):
+class OptimizerShell(HookedStepState, Optimizer):
     """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (10-core.md §1.1)."""
 
     OWNER_NAME: ClassVar[str] = "OptimizerShell"
@@ -111,15 +102,8 @@ class OptimizerShell(Optimizer):
         "_codebook",
         "_commit_failed",
         "_binding",
-        *_HOOK_DICTS,
+        *HOOK_DICTS,
     )
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # The shell fires the step hooks itself; marking every override keeps torch's
-        # _patch_step_function from wrapping it a second time.
-        if "step" in cls.__dict__:
-            cls.step.hooked = True  # type: ignore[attr-defined]
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         if isinstance(params, (Tensor, set)):
@@ -520,15 +504,7 @@ class OptimizerShell(Optimizer):
 
     # -- pickling and copies (§2.4) ---------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            name: self.__dict__[name] for name in self._PICKLED_ATTRIBUTES if name in self.__dict__
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        for name in _HOOK_DICTS:
-            self.__dict__.setdefault(name, OrderedDict())
+    def _restore_derived(self) -> None:
         self._kernels = KernelSelector()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self._warned_capturable_if_run_uncaptured = True

@@ -22,6 +22,7 @@ __all__ = [
     "CodecKeys",
     "EntrySpec",
     "allocate_entry",
+    "copy_entry",
     "entry_family",
     "entry_matches",
     "is_initialized",
@@ -319,6 +320,15 @@ def validate_entry(
         dict(extra_pairs or {}),
     )  # fmt: skip
     return _validate(entry, where, spec, values=True)
+
+
+def copy_entry(entry: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A copy of an entry whose tensors are detached copies on ``device`` in their own dtype
+    (torch's base loader would cast floating state to the parameter dtype)."""
+    return {
+        key: value.detach().to(device=device, copy=True) if isinstance(value, Tensor) else value
+        for key, value in entry.items()
+    }
 
 
 def entry_matches(entry: Mapping[str, Any], spec: EntrySpec) -> str | None:

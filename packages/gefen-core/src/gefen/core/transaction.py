@@ -10,6 +10,7 @@ templates never touch a private flag of anything else.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import Any, ClassVar, Protocol
@@ -25,6 +26,8 @@ from gefen.dist import (
 )
 
 __all__ = [
+    "HOOK_DICTS",
+    "HookedStepState",
     "LoadParticipant",
     "PreparedLoadLike",
     "StepParticipant",
@@ -33,6 +36,48 @@ __all__ = [
     "run_load",
     "run_step",
 ]
+
+
+HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""The hook registries torch's ``register_*`` methods use, as instance attributes."""
+
+
+class HookedStepState:
+    """Mixin for optimizers whose ``step`` fires the hooks itself (10-core.md §2.4).
+
+    Every ``step`` override is marked ``hooked`` so torch's ``_patch_step_function`` never wraps
+    it again, and pickling copies an explicit whitelist (never an instance-level ``step``
+    wrapper an LR scheduler installed, which would step the original from a copy).
+    """
+
+    _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = HOOK_DICTS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("step")
+        if step is not None:
+            step.hooked = True
+
+    def _restore_derived(self) -> None:
+        """Rebuild what ``__getstate__`` leaves out (caches, registries) after unpickling."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            name: self.__dict__[name] for name in self._PICKLED_ATTRIBUTES if name in self.__dict__
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in HOOK_DICTS:
+            self.__dict__.setdefault(name, OrderedDict())
+        self._restore_derived()
 
 
 class StepParticipant(Protocol):

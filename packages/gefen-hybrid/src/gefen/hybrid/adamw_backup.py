@@ -16,18 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.transaction import copy_containers
+from gefen.core.transaction import HOOK_DICTS, copy_containers
 
 __all__ = ["PreparedAdamWLoad", "prepare_adamw_load"]
-
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 
 
 def _reject(reason: str) -> ValueError:
@@ -105,7 +96,7 @@ def _shadow(backup: torch.optim.Optimizer) -> torch.optim.Optimizer:
     shadow.defaults = dict(backup.defaults)
     shadow.state = defaultdict(dict)
     shadow.param_groups = [dict(group) for group in backup.param_groups]
-    for name in _HOOK_DICTS:
+    for name in HOOK_DICTS:
         setattr(shadow, name, OrderedDict())
     return shadow
 

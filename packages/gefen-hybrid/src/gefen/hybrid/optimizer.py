@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from gefen.contracts import OptimizerContract
 from gefen.core import Gefen
 from gefen.core.shell import amp_scaling_supported
-from gefen.core.transaction import run_load, run_step
+from gefen.core.transaction import HOOK_DICTS, HookedStepState, run_load, run_step
 from gefen.core.validation import check_finite_gradients, local_tensor, validate_gradient_structure
 from gefen.dist import Channel, GuardedOperation, collect_failure_scope, cuda_graph_capturing
 from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
@@ -29,21 +29,13 @@ from gefen.muon import GefenMuon
 
 __all__ = ["GefenMuonHybrid"]
 
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 _LATCHED = (
     "GefenMuonHybrid: previous step failed during commit; load a checkpoint with "
     "load_state_dict to continue"
 )
 
 
-class GefenMuonHybrid(torch.optim.Optimizer):
+class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     """Muon for hidden matrices, Gefen (or AdamW) for the rest, as one torch optimizer."""
 
     OWNER_NAME: ClassVar[str] = "GefenMuonHybrid"
@@ -53,13 +45,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         "backup_optimizer",
         "_check_finite",
         "_commit_failed",
-        *_HOOK_DICTS,
+        *HOOK_DICTS,
     )
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "step" in cls.__dict__:
-            cls.step.hooked = True  # type: ignore[attr-defined]
 
     def __init__(
         self,
@@ -108,7 +95,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self.backup_optimizer = backup_optimizer
         self._check_finite = check_finite
         self._commit_failed = False
-        for name in _HOOK_DICTS:
+        for name in HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._rebuild_registry()
 
@@ -292,15 +279,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     # -- pickling and copies ------------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            name: self.__dict__[name] for name in self._PICKLED_ATTRIBUTES if name in self.__dict__
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        for name in _HOOK_DICTS:
-            self.__dict__.setdefault(name, OrderedDict())
+    def _restore_derived(self) -> None:
         self._rebuild_registry()
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from gefen.core.state import is_initialized, validate_entry
+from gefen.core.state import copy_entry, is_initialized, validate_entry
 from gefen.core.validation import local_tensor, parameter_label
 from gefen.dist import BindingError, CheckpointProcessGroupBinding, broadcast_owner_state
 from gefen.muon.kernels import stable_owner
@@ -280,11 +280,7 @@ def _stage_entry(
         raise ValueError(f"{where}: 'normuon_v' and 'normuon_step' must appear together")
     if "normuon_v" in saved and not isinstance(saved["normuon_v"], Tensor):
         raise ValueError(f"{where}: 'normuon_v' must be a tensor")
-    device = local_tensor(param).device
-    return {
-        key: value.detach().to(device=device, copy=True) if isinstance(value, Tensor) else value
-        for key, value in saved.items()
-    }
+    return copy_entry(saved, local_tensor(param).device)
 
 
 def stage_muon_entries(

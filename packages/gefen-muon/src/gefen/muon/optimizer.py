@@ -17,7 +17,7 @@ from torch import Tensor
 from gefen.contracts import OptimizerContract
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
-from gefen.core.options import check_optimizer_wide
+from gefen.core.options import check_optimizer_wide, lr_value
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
 from gefen.core.validation import local_tensor
@@ -57,15 +57,9 @@ class _Staged:
     value: Tensor
 
 
-def _lr_value(lr: object) -> float:
-    if isinstance(lr, Tensor):
-        return float(lr.detach().reshape(()).item())
-    return float(lr)  # type: ignore[arg-type]
-
-
 def _hyper(group: Mapping[str, Any]) -> MuonHyper:
     return MuonHyper(
-        lr=_lr_value(group["lr"]),
+        lr=lr_value(group["lr"]),
         weight_decay=float(group["weight_decay"]),
         momentum=float(group["momentum"]),
         nesterov=bool(group["nesterov"]),
