@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gefen.core import Gefen, shell
+from gefen.core import Gefen, codebook_ops
 from gefen.core.state import validate_codebook
 
 
@@ -13,7 +13,7 @@ def test_agreed_learning_with_an_all_zero_local_histogram_publishes_the_padded_g
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Stand-in for a peer whose shards were non-zero: the MAX vote said "learn".
-    monkeypatch.setattr(shell, "any_nonzero_agreed", lambda counts, scope: True)
+    monkeypatch.setattr(codebook_ops, "any_nonzero_agreed", lambda counts, scope: True)
     weight = torch.nn.Parameter(torch.ones(4, 8))
     optimizer = Gefen([weight], lr=0.1, weight_decay=0.5)
     weight.grad = torch.zeros_like(weight)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gefen.core.learning as learning_module
-import gefen.core.shell as shell_module
+import gefen.core.codebook_ops as shell_module
 from gefen.core import Gefen, NonFiniteGradientError
 from gefen.core.kernels import nearest_index
 from gefen.core.testing import SNAPSHOT_ATTRIBUTES
@@ -112,7 +112,7 @@ def test_refresh_failure_while_staging_second_parameter_changes_nothing(
     optimizer = Gefen([a, b])
     a.grad, b.grad = _grad(a, 1), _grad(b, 2)
     optimizer.step()
-    import gefen.core.shell as shell
+    import gefen.core.codebook_ops as shell
 
     real = shell.remap_codes
     calls = []
@@ -249,8 +249,8 @@ def test_periodic_refresh_failure_inside_step_changes_nothing(monkeypatch) -> No
         calls.append(optimizer.global_step)
         raise MemoryError("injected refresh failure")
 
-    # The shell imports the name; patch it where it is resolved, and at its source in case a
-    # later edit calls it through the module.
+    # The codebook operations import the name; patch it where it is resolved, and at its
+    # source in case a later edit calls it through the module.
     assert shell_module.solve_new_codebook is learning_module.solve_new_codebook
     monkeypatch.setattr(shell_module, "solve_new_codebook", failing)
     monkeypatch.setattr(learning_module, "solve_new_codebook", failing)
@@ -277,13 +277,13 @@ def test_periodic_refresh_at_multiples_of_n(monkeypatch) -> None:
     a = _p(16, 8)
     optimizer = Gefen([a], codebook_refresh_every=3)
     refreshed_at = []
-    original = Gefen._stage_refresh
+    original = shell_module._refreshed
 
-    def spy(self, inputs, periods):
-        refreshed_at.append(self.global_step)
-        return original(self, inputs, periods)
+    def spy(opt, op, inputs, periods):
+        refreshed_at.append(opt.global_step)
+        return original(opt, op, inputs, periods)
 
-    monkeypatch.setattr(Gefen, "_stage_refresh", spy)
+    monkeypatch.setattr(shell_module, "_refreshed", spy)
     for seed in range(11):
         a.grad = _grad(a, seed)
         optimizer.step()

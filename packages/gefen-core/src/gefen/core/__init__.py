@@ -6,7 +6,8 @@ The public API for sibling packages lives at the import paths of 10-core.md §1.
 """
 
 from gefen.core._version import __version__
+from gefen.core.finalization import ParameterRebinding
 from gefen.core.optimizer import Gefen
 from gefen.core.validation import NonFiniteGradientError
 
-__all__ = ["Gefen", "NonFiniteGradientError", "__version__"]
+__all__ = ["Gefen", "NonFiniteGradientError", "ParameterRebinding", "__version__"]

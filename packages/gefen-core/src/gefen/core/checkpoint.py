@@ -70,9 +70,23 @@ def live_extras(optimizer: OptimizerShell) -> dict[str, Any]:
         "momentum_codec": optimizer.defaults["momentum_codec"],
         "initialized_params": initialized,
     }
+    scope = scope_extras(optimizer)
+    if scope is not None:
+        extras["scope"] = scope
     if optimizer._rank_local_checkpoint():
         extras["rank_local"] = rank_local_header(optimizer.step_failure_scope())
     return extras
+
+
+def scope_extras(optimizer: OptimizerShell) -> dict[str, Any] | None:
+    """The codebook scope's identity and refresh policy (never a runtime handle), or None."""
+    finalized = optimizer._finalized
+    if finalized is None or finalized.binding is None:
+        return None
+    return {
+        "identity": finalized.binding.identity.to_primitive(),
+        "refresh_every": int(optimizer.defaults.get("codebook_refresh_every", 0)),
+    }
 
 
 def build_state_dict(
@@ -255,8 +269,14 @@ class _Loader:
             raise self.reject(f"invalid codebook: {error}") from None
 
     def check_topology(self, extras: dict[str, Any]) -> None:
-        if "scope" in extras:
-            raise self.reject("codebook scope differs (the checkpoint has one, the optimizer none)")
+        live_scope = scope_extras(self.optimizer)
+        if "scope" in extras or live_scope is not None:
+            saved_scope = extras.get("scope")
+            if saved_scope is None or live_scope is None or not _equal(saved_scope, live_scope):
+                raise self.reject(
+                    "codebook scope differs (a scoped checkpoint loads only into an optimizer "
+                    "finalized with an equal scope, and a scoped optimizer needs one)"
+                )
         scope = self.optimizer.step_failure_scope()
         if "rank_local" not in extras and not self.optimizer._rank_local_checkpoint():
             return

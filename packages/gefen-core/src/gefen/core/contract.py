@@ -31,7 +31,7 @@ from gefen.contracts import (
 if TYPE_CHECKING:
     from gefen.core.shell import OptimizerShell
 
-__all__ = ["gefen_contract"]
+__all__ = ["api_flags", "finalized_training", "gefen_contract"]
 
 _REPLICATED = ParameterLayout.REPLICATED
 _SHARD = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
@@ -130,6 +130,35 @@ def _checkpoints(collective: bool) -> tuple[CheckpointSupport, ...]:
     )
 
 
+def api_flags(optimizer: OptimizerShell) -> dict[str, bool]:
+    """The explicit-scope flags (§13): the API ones are static, the identity ones live."""
+    finalized = optimizer.finalized is not None
+    return {
+        "post_sharding": True,
+        "shard_rebinding": True,
+        "explicit_process_group_codebook_scope": True,
+        "canonical_parameter_fqns": finalized,
+        "stable_shard_identity": finalized,
+    }
+
+
+def finalized_training(optimizer: OptimizerShell) -> tuple[TrainingSupport, ...]:
+    """Once finalized, the installed layouts, trained with the adapter's process group; a
+    whole-parameter owner's update must be copied to the non-owners after each step."""
+    finalized = optimizer.finalized
+    if finalized is None:
+        return ()
+    layouts = sorted({shard.layout for shard, _ in finalized.shards}, key=lambda x: x.value)
+    return tuple(
+        TrainingSupport(
+            layout=layout,
+            process_group_scope=ProcessGroupScope.ADAPTER_DEFINED,
+            requires_post_step_parameter_sync=layout is ParameterLayout.WHOLE_PARAMETER_OWNER,
+        )
+        for layout in layouts
+    )
+
+
 def gefen_contract(
     optimizer: OptimizerShell, groups: Sequence[Mapping[str, Any]], implementation: str
 ) -> OptimizerContract:
@@ -143,11 +172,13 @@ def gefen_contract(
             TrainingSupport(
                 layout=_SHARD, process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
             ),
+            *finalized_training(optimizer),
         ),
         checkpoints=_checkpoints(collective),
         precisions=frozenset(
             {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
         ),
+        **api_flags(optimizer),  # type: ignore[arg-type]
     )
     layout = OptimizerStateLayout(
         fields=_fields(), parameter_variants=_variants(codebook8, factored)

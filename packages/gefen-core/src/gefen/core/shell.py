@@ -17,18 +17,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from gefen.contracts import ParameterLayout, ShardingManifest
+from gefen.core import codebook_ops
 from gefen.core.checkpoint import PreparedLoad, build_state_dict, prepare_load
+from gefen.core.finalization import (
+    Finalized,
+    ParameterRebinding,
+    PreparedFinalization,
+    prepare_finalization,
+)
 from gefen.core.fused import KernelSelector
 from gefen.core.kernels import select_period
-from gefen.core.learning import (
-    CodebookInput,
-    StagedLearning,
-    any_nonzero_agreed,
-    build_histogram,
-    remap_codes,
-    solve_new_codebook,
-    stage_periods,
-)
+from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide
 from gefen.core.state import CodecKeys, EntrySpec, entry_matches, is_initialized
 from gefen.core.transaction import HOOK_DICTS, HookedStepState, run_load, run_step
@@ -40,13 +40,19 @@ from gefen.core.validation import (
     validate_gradient_structure,
 )
 from gefen.dist import (
-    PHASE_INITIALIZE_PREAMBLE,
-    PHASE_REFRESH_PREAMBLE,
     BindingError,
     Channel,
+    CheckpointProcessGroupBinding,
+    CodebookProcessGroupBinding,
     GuardedOperation,
     ProcessGroupBinding,
     collect_failure_scope,
+)
+from gefen.dist.codebook_scope import (
+    HEADER_WORD_NAMES,
+    OP_STEP,
+    codebook_fingerprint_of,
+    codebook_header_payload,
 )
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
@@ -102,7 +108,13 @@ class OptimizerShell(HookedStepState, Optimizer):
         "_codebook",
         "_commit_failed",
         "_binding",
+        "_finalized",
         *HOOK_DICTS,
+    )
+    # The layouts post_sharding accepts (10-core.md §13); GefenMuon overrides.
+    POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
+        ParameterLayout.REPLICATED,
+        ParameterLayout.FLATTENED_ELEMENT_SHARD,
     )
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
@@ -115,6 +127,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         self._codebook: Tensor | None = None
         self._commit_failed = False
         self._binding: ProcessGroupBinding | None = None
+        self._finalized: Finalized | None = None
         self._kernels = KernelSelector()
         super().__init__(params, defaults)
 
@@ -247,6 +260,10 @@ class OptimizerShell(HookedStepState, Optimizer):
         """All-or-nothing: the whole group is validated before anything is registered."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        if self.__dict__.get("_finalized") is not None:
+            raise RuntimeError(
+                f"{self.OWNER_NAME} is finalized by post_sharding: add_param_group is refused"
+            )
         check_optimizer_wide(param_group, self.defaults, self.OPTIMIZER_WIDE)
         candidate = self._normalised_group(param_group)
         self._check_membership(candidate)
@@ -278,6 +295,7 @@ class OptimizerShell(HookedStepState, Optimizer):
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels."""
         self._check_latch()
+        self._check_finalized_layout()
         for group in self.param_groups:
             self._validate_group(group)
         validate_gradient_structure(
@@ -290,7 +308,65 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def step_header_payload(self) -> list[int] | None:
         """The payload words of 50-dist.md §9.2; None while no binding is installed."""
-        return None
+        finalized = self._finalized
+        if self._binding is None or finalized is None:
+            return None
+        codebook = self._codebook
+        digest = None if codebook is None else codebook_fingerprint_of(codebook)
+        return list(
+            codebook_header_payload(
+                global_step=self._global_step,
+                codebook_present=codebook is not None,
+                deterministic=bool(self.defaults["deterministic"]),
+                refresh_every=int(self.defaults.get("codebook_refresh_every", 0)),
+                local_shard_count=len(finalized.shards),
+                scope_fingerprint=finalized.scope_fingerprint,
+                manifest_fingerprint=finalized.manifest_fingerprint,
+                codebook_fingerprint=digest,
+            )
+        )
+
+    def _exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
+        """Scoped: the step's operation header (50-dist.md §9.3 step 3)."""
+        if op.binding is not None and payload is not None:
+            op.header(OP_STEP, payload, HEADER_WORD_NAMES)
+
+    # -- post-sharding finalization (§13) ---------------------------------------------------
+
+    def _check_finalized_layout(self) -> None:
+        finalized = self._finalized
+        if finalized is not None and not finalized.layout_intact(self.param_groups):
+            raise RuntimeError(f"{self.OWNER_NAME}: parameter layout changed after post_sharding")
+
+    def prepare_post_sharding(
+        self,
+        rebindings: Iterable[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        codebook_process_group: CodebookProcessGroupBinding | None = None,
+    ) -> PreparedFinalization:
+        """Preconditions and validation of §13, no mutation; ``commit()`` publishes."""
+        return prepare_finalization(
+            self, rebindings, manifest, codebook_process_group, self.POST_SHARDING_LAYOUTS
+        )
+
+    def post_sharding(
+        self,
+        rebindings: Iterable[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        codebook_process_group: CodebookProcessGroupBinding | None = None,
+    ) -> None:
+        """Tell the optimizer, once, what each slot has become (10-core.md §13)."""
+        prepared = self.prepare_post_sharding(
+            rebindings, manifest=manifest, codebook_process_group=codebook_process_group
+        )
+        prepared.commit()
+
+    @property
+    def finalized(self) -> Finalized | None:
+        """The post-sharding layout, or None before ``post_sharding``."""
+        return self._finalized
 
     def check_step_agreement(self) -> None:
         """Symmetric agreement checks after the vote: none for Gefen."""
@@ -315,84 +391,19 @@ class OptimizerShell(HookedStepState, Optimizer):
         """One transactional step (§7.1); returns the closure's loss or None."""
         return run_step(self, closure)
 
-    # -- codebook learning and refresh (§5.5, §5.6) -----------------------------------------
+    # -- codebook learning and refresh (§5.5, §5.6; scoped: 50-dist.md §9.3–§9.5) ------------
 
     @property
     def _codebook8(self) -> bool:
         return bool(self.defaults.get("momentum_codec", "codebook8") == "codebook8")
 
-    def _live_periods(self) -> dict[int, int]:
-        return {
-            index: int(self.state[param].get("period", 0)) for index, _, param in self._indexed()
-        }
-
-    def _stage_new_periods(self, inputs: list[CodebookInput]) -> dict[int, int]:
-        by_index = {index: (group, param) for index, group, param in self._indexed()}
-
-        def select(index: int, view: Tensor, shape: tuple[int, ...]) -> int | None:
-            group, param = by_index[index]
-            return self._select_period(group, param, view, shape)
-
-        return stage_periods(inputs, self._live_periods(), select)
-
-    def _stage_first_codebook(self, op: GuardedOperation) -> StagedLearning:
-        """Periods for every input and the first codebook, or the agreed no-op (§5.5)."""
-        inputs = self._codebook_inputs(op)
-        periods = self._stage_new_periods(inputs)
-        counts = build_histogram(inputs, periods)
-        if not any_nonzero_agreed(counts, op.scope):
-            return StagedLearning(noop=True)
-        device = inputs[0][1].device if inputs else torch.device("cpu")
-        return StagedLearning(periods=periods, codebook=solve_new_codebook(counts, device))
-
-    def _stage_refresh(
-        self, inputs: list[CodebookInput], staged_periods: Mapping[int, int]
-    ) -> tuple[Tensor, dict[int, Tensor]] | None:
-        """§5.6 steps 1–3: a new codebook and every remapped code tensor, or None (empty)."""
-        assert self._codebook is not None
-        periods = {**self._live_periods(), **staged_periods}
-        counts = build_histogram(inputs, periods)
-        if not bool(counts.sum().item() > 0):
-            return None
-        new_codebook = solve_new_codebook(counts, self._codebook.device)
-        codes_key = self.CODEC_KEYS.codes
-        remapped = {
-            index: remap_codes(self._codebook, new_codebook, self.state[param][codes_key])
-            for index, _, param in self._indexed()
-            if codes_key in self.state[param]
-        }
-        return new_codebook, remapped
-
-    def _refresh_due(self) -> bool:
-        every = int(self.defaults.get("codebook_refresh_every", 0))
-        return every > 0 and self._global_step > 0 and self._global_step % every == 0
-
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
-        if not self._codebook8:
-            return StagedLearning(periods=self._stage_new_periods(self._codebook_inputs(op)))
-        if self._codebook is None:
-            return self._stage_first_codebook(op)
-        inputs = self._codebook_inputs(op)
-        learning = StagedLearning(periods=self._stage_new_periods(inputs))
-        if self._refresh_due():
-            refreshed = self._stage_refresh(inputs, learning.periods)
-            if refreshed is not None:
-                learning.codebook, learning.codes = refreshed
-        return learning
-
-    def _publish_learning(self, learning: StagedLearning) -> None:
-        by_index = {index: param for index, _, param in self._indexed()}
-        for index, period in learning.periods.items():
-            self.state[by_index[index]]["period"] = period
-        for index, codes in learning.codes.items():
-            self.state[by_index[index]][self.CODEC_KEYS.codes] = codes
-        if learning.codebook is not None:
-            self._codebook = learning.codebook
+        return codebook_ops.stage_step_learning(self, op)
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
         """Phase 5: publish, update, count. Any failure latches (§7.4)."""
         try:
-            self._publish_learning(learning)
+            codebook_ops.publish(self, learning)
             self._commit_step(plan)
             self._global_step += 1
         except BaseException:
@@ -401,55 +412,40 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def _publish_only(self, learning: StagedLearning) -> None:
         try:
-            self._publish_learning(learning)
+            codebook_ops.publish(self, learning)
         except BaseException:
             self._commit_failed = True
             raise
 
-    def _preamble_checks(self) -> None:
+    def _preamble_checks(self) -> list[int] | None:
         self._check_latch()
+        self._check_finalized_layout()
         validate_gradient_structure(
             self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
         )
         self._check_local_inputs()
         if self.defaults.get("check_finite", True):
             check_finite_gradients(self.param_groups)
+        return self.step_header_payload()
 
     def initialize_codebook(self) -> bool:
         """Learn the codebook from the current gradients without stepping (§2.4, §5.5)."""
-        op = self._operation()
-        op.local(PHASE_INITIALIZE_PREAMBLE, self._preamble_checks)
-        if not self._codebook8 or self._codebook is not None:
-            return False
-        # Learning may gather gradients (GefenMuon's full_tensor): agree on presence first.
-        self.check_step_agreement()
-        with torch.no_grad():
-            learning = self._stage_first_codebook(op)
-        if learning.noop:
-            return False
-        self._publish_only(learning)
-        return True
+        return codebook_ops.initialize(self)
 
-    def _refresh_preamble(self) -> None:
+    def _refresh_preamble(self) -> list[int] | None:
         self._check_latch()
+        self._check_finalized_layout()
         if not self._codebook8 or self._codebook is None:
             raise RuntimeError("refresh_codebook: no codebook has been learned")
         validate_gradient_structure(
             self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
         )
         self._check_local_inputs()
+        return self.step_header_payload()
 
     def refresh_codebook(self) -> bool:
         """The refresh transaction of §5.6 on demand; True iff the codebook was replaced."""
-        op = self._operation()
-        op.local(PHASE_REFRESH_PREAMBLE, self._refresh_preamble)
-        with torch.no_grad():
-            refreshed = self._stage_refresh(self._codebook_inputs(op), {})
-        if refreshed is None:
-            return False
-        codebook, codes = refreshed
-        self._publish_only(StagedLearning(codebook=codebook, codes=codes))
-        return True
+        return codebook_ops.refresh(self)
 
     def state_nbytes(self) -> int:
         """Persistent state bytes (§2.4): every entry tensor, plus 1024 with a codebook; pure."""
@@ -474,6 +470,7 @@ class OptimizerShell(HookedStepState, Optimizer):
     # -- checkpoints (§8) -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        self._check_finalized_layout()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         result = build_state_dict(self, self._build_state_entries(self._operation()))
@@ -488,11 +485,31 @@ class OptimizerShell(HookedStepState, Optimizer):
         return prepare_load(self, sd)
 
     def _check_checkpoint_binding(self, checkpoint_binding: object) -> None:
-        """A ``checkpoint_binding`` must match the installed codebook binding (50-dist.md §7)."""
-        if checkpoint_binding is not None and self._binding is None:
+        """A ``checkpoint_binding`` must match the installed codebook binding exactly, same
+        handle object (50-dist.md §7, §8.2 step 5)."""
+        if checkpoint_binding is None:
+            return
+        if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
+            raise TypeError(
+                "checkpoint_binding must be a CheckpointProcessGroupBinding, got "
+                f"{type(checkpoint_binding).__name__}"
+            )
+        installed = self._binding
+        if installed is None:
             raise BindingError("no codebook binding is installed")
+        if (
+            checkpoint_binding.process_group is not installed.process_group
+            or checkpoint_binding.identity != installed.identity
+            or checkpoint_binding.local_member != installed.local_member
+            or checkpoint_binding.collective_device != installed.collective_device
+        ):
+            raise BindingError(
+                "checkpoint_binding does not match the installed codebook binding (same "
+                "identity, member, device and process-group handle object required)"
+            )
 
     def _checked_prepare(self, sd: Mapping[str, Any], checkpoint_binding: object) -> PreparedLoad:
+        self._check_finalized_layout()
         self._check_checkpoint_binding(checkpoint_binding)
         return self.prepare_load_state_dict(sd)
 

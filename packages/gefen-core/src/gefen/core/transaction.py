@@ -2,8 +2,9 @@
 
 ``run_step`` is the step template of every Gefen optimizer and of composites built from them
 (``GefenMuonHybrid``): one rank-local preflight (pre-hooks, closure, checks) voted once over the
-failure scope, the symmetric agreement checks, one AMP decision, then the prepared phases 4–5
-and the post-hooks. ``run_load`` is the load template: prepare (voted), agree, commit, post-hooks.
+failure scope, the scoped operation headers, the symmetric agreement checks, one AMP decision,
+then the prepared phases 4–5 and the post-hooks. ``run_load`` is the load template: prepare
+(voted), agree, commit, post-hooks.
 A participant supplies the members named in ``StepParticipant`` / ``LoadParticipant``; the
 templates never touch a private flag of anything else.
 """
@@ -91,6 +92,7 @@ class StepParticipant(Protocol):
     def _check_latch(self) -> None: ...
     def validate_step_inputs(self, *, amp_present: bool) -> None: ...
     def step_header_payload(self) -> Any: ...
+    def _exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
     def check_step_agreement(self) -> None: ...
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
 
@@ -131,8 +133,8 @@ def _run_pre_hooks(
 
 def _local_preflight(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    """Phase 1: latch, pre-hooks, the closure once, then every rank-local check."""
+) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]:
+    """Phase 1: latch, pre-hooks, the closure once, every rank-local check, the header payload."""
     optimizer._check_latch()
     args, kwargs = _run_pre_hooks(optimizer, args, kwargs)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -141,8 +143,7 @@ def _local_preflight(
         with torch.enable_grad():
             loss = closure()
     optimizer.validate_step_inputs(amp_present=amp_controls_present(optimizer))
-    optimizer.step_header_payload()
-    return loss, args, kwargs
+    return loss, args, kwargs, optimizer.step_header_payload()
 
 
 def _run_post_hooks(
@@ -169,7 +170,10 @@ def run_step(optimizer: StepParticipant, closure: Callable[[], Any] | None) -> A
     op = optimizer._operation()
     args: tuple[Any, ...] = (optimizer,) if closure is None else (optimizer, closure)
     kwargs: dict[str, Any] = {}
-    loss, args, kwargs = op.local(PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs)
+    loss, args, kwargs, payload = op.local(
+        PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs
+    )
+    optimizer._exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
     try:
         with torch.no_grad():

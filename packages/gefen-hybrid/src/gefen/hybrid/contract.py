@@ -124,8 +124,16 @@ def hybrid_contract(hybrid: GefenMuonHybrid) -> OptimizerContract:
         parameter_variants=(),
         composite_namespaces=("muon", "backup"),
     )
+    forwards = hybrid.backup_optimizer != "adamw" or hybrid.backup is None
     capabilities = OptimizerCapabilities(
-        training=tuple(training), checkpoints=(checkpoint,), precisions=precisions
+        training=tuple(training),
+        checkpoints=(checkpoint,),
+        precisions=precisions,
+        post_sharding=forwards,
+        shard_rebinding=forwards,
+        explicit_process_group_codebook_scope=forwards,
+        canonical_parameter_fqns=hybrid.finalized,
+        stable_shard_identity=hybrid.finalized,
     )
     return OptimizerContract(
         implementation="gefen.hybrid.GefenMuonHybrid",

@@ -9,21 +9,29 @@ scope, one AMP decision, then each child's prepared phases 4–5.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from gefen.contracts import OptimizerContract
-from gefen.core import Gefen
-from gefen.core.shell import amp_scaling_supported
+from gefen.contracts import OptimizerContract, ShardingManifest
+from gefen.core import Gefen, ParameterRebinding
+from gefen.core.shell import OptimizerShell, amp_scaling_supported
 from gefen.core.transaction import HOOK_DICTS, HookedStepState, run_load, run_step
 from gefen.core.validation import check_finite_gradients, local_tensor, validate_gradient_structure
-from gefen.dist import Channel, GuardedOperation, collect_failure_scope, cuda_graph_capturing
+from gefen.dist import (
+    Channel,
+    CodebookProcessGroupBinding,
+    GuardedOperation,
+    collect_failure_scope,
+    cuda_graph_capturing,
+)
+from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
 from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
 from gefen.hybrid.construction import HybridConfig, build_children, resolve_lists
+from gefen.hybrid.finalization import children_binding, forward_post_sharding
 from gefen.hybrid.state_view import HybridState
 from gefen.muon import GefenMuon
 
@@ -177,7 +185,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     # -- the composite step protocol (30-hybrid.md §6–§7) ------------------------------------
 
     def step_failure_scope(self) -> tuple[Channel, ...]:
-        """The union scope of both children's groups; pure."""
+        """The children's codebook binding's scope, else the union scope of both children's
+        groups; pure."""
+        binding = children_binding(self)
+        if binding is not None:
+            return binding.failure_scope()
         return collect_failure_scope(self.param_groups)
 
     @property
@@ -185,7 +197,27 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         return amp_scaling_supported(self.param_groups, self.step_failure_scope())
 
     def _operation(self) -> GuardedOperation:
+        if children_binding(self) is not None:
+            return GuardedOperation(self.OWNER_NAME, binding_getter=lambda: children_binding(self))
         return GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
+
+    # -- post-sharding (§6) -------------------------------------------------------------------
+
+    def post_sharding(
+        self,
+        rebindings: Iterable[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        codebook_process_group: CodebookProcessGroupBinding | None = None,
+    ) -> None:
+        """Forward 10-core.md §13 to both children as one staged transaction."""
+        forward_post_sharding(self, rebindings, manifest, codebook_process_group)
+
+    @property
+    def finalized(self) -> bool:
+        """Whether ``post_sharding`` has finalized the children."""
+        children = self._gefen_children()
+        return bool(children) and all(child.finalized is not None for child in children)
 
     def _check_layout(self) -> None:
         for role, child, groups in self._snapshots:
@@ -225,8 +257,25 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             if self._check_finite and not amp_present:
                 check_finite_gradients(groups)
 
-    def step_header_payload(self) -> list[int] | None:
-        return None
+    def _gefen_children(self) -> tuple[OptimizerShell, ...]:
+        return tuple(child for child in self._children if isinstance(child, OptimizerShell))
+
+    def step_header_payload(self) -> tuple[int, list[list[int]]] | None:
+        """With a codebook binding: the child-presence mask and each present child's payload."""
+        payloads = [child.step_header_payload() for child in self._gefen_children()]
+        if not payloads or any(payload is None for payload in payloads):
+            return None
+        mask = (1 if self.muon is not None else 0) | (2 if self.backup is not None else 0)
+        return mask, [payload for payload in payloads if payload is not None]
+
+    def _exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
+        """50-dist.md §9.3: the child-presence header first, then one header per child."""
+        if op.binding is None or payload is None:
+            return
+        mask, children = payload
+        op.header(OP_STEP, [mask], ["child_presence"])
+        for words in children:
+            op.header(OP_STEP, words, HEADER_WORD_NAMES)
 
     def check_step_agreement(self) -> None:
         if self.muon is not None:

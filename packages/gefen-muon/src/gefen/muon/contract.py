@@ -27,6 +27,7 @@ from gefen.contracts import (
     TopologyChange,
     TrainingSupport,
 )
+from gefen.core.contract import api_flags, finalized_training
 
 if TYPE_CHECKING:
     from gefen.muon.optimizer import GefenMuon
@@ -153,12 +154,13 @@ def muon_contract(optimizer: GefenMuon) -> OptimizerContract:
     modes = {str(group["sharded_mode"]) for group in optimizer.param_groups}
     collective = len(optimizer.step_failure_scope()) > 0
     capabilities = OptimizerCapabilities(
-        training=_training(modes),
+        training=_training(modes) + finalized_training(optimizer),
         checkpoints=_checkpoints(modes, collective),
         precisions=frozenset(
             {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
         ),
         supported_parameter_ranks=(2,),
+        **api_flags(optimizer),
     )
     layout = OptimizerStateLayout(
         fields=_fields(),

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gefen.contracts import OptimizerContract
+from gefen.contracts import OptimizerContract, ParameterLayout
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide, lr_value
@@ -82,6 +82,10 @@ class GefenMuon(OptimizerShell):
     CODEC_KEYS: ClassVar[CodecKeys] = _MUON_CODEC_KEYS
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "muon_distributed", "rank_local")
     REQUIRE_2D: ClassVar[bool] = True
+    POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
+        ParameterLayout.REPLICATED,
+        ParameterLayout.WHOLE_PARAMETER_OWNER,
+    )
 
     def __init__(
         self,

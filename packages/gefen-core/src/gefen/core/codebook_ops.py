@@ -1,0 +1,159 @@
+"""The shell's codebook operations: learning in a step, ``initialize_codebook`` and
+``refresh_codebook`` (10-core.md §5.5–§5.6), unscoped or under an explicit codebook scope
+(50-dist.md §9.3–§9.5).
+
+Everything here stages; publication happens in one place (``publish``), inside the shell's
+commit or right after an agreed initialize/refresh, and a failure there latches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gefen.core.learning import (
+    CodebookInput,
+    StagedLearning,
+    any_nonzero_agreed,
+    build_histogram,
+    remap_codes,
+    solve_new_codebook,
+    stage_periods,
+)
+from gefen.core.scoped import scoped_learn, scoped_refresh_codes
+from gefen.dist import PHASE_INITIALIZE_PREAMBLE, PHASE_REFRESH_PREAMBLE, GuardedOperation
+from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_INITIALIZE, OP_REFRESH
+
+if TYPE_CHECKING:
+    from gefen.core.shell import OptimizerShell
+
+__all__ = ["initialize", "publish", "refresh", "stage_step_learning"]
+
+
+def _live_periods(opt: OptimizerShell) -> dict[int, int]:
+    return {index: int(opt.state[param].get("period", 0)) for index, _, param in opt._indexed()}
+
+
+def _stage_new_periods(opt: OptimizerShell, inputs: list[CodebookInput]) -> dict[int, int]:
+    by_index = {index: (group, param) for index, group, param in opt._indexed()}
+
+    def select(index: int, view: Tensor, shape: tuple[int, ...]) -> int | None:
+        group, param = by_index[index]
+        return opt._select_period(group, param, view, shape)
+
+    return stage_periods(inputs, _live_periods(opt), select)
+
+
+def _first_codebook(opt: OptimizerShell, op: GuardedOperation) -> StagedLearning:
+    """Periods for every input and the first codebook, or the agreed no-op (§5.5)."""
+    if _scoped(opt, op):
+        learned = scoped_learn(opt, op, stage_periods=True)
+        return StagedLearning(noop=True) if learned is None else learned
+    inputs = opt._codebook_inputs(op)
+    periods = _stage_new_periods(opt, inputs)
+    counts = build_histogram(inputs, periods)
+    if not any_nonzero_agreed(counts, op.scope):
+        return StagedLearning(noop=True)
+    device = inputs[0][1].device if inputs else torch.device("cpu")
+    return StagedLearning(periods=periods, codebook=solve_new_codebook(counts, device))
+
+
+def _refreshed(
+    opt: OptimizerShell,
+    op: GuardedOperation,
+    inputs: list[CodebookInput],
+    staged: Mapping[int, int],
+) -> tuple[Tensor, dict[int, Tensor]] | None:
+    """§5.6 steps 1–3: a new codebook and every remapped code tensor, or None (empty)."""
+    current = opt.codebook
+    assert current is not None
+    if _scoped(opt, op):
+        learned = scoped_learn(opt, op, stage_periods=False)
+        if learned is None or learned.codebook is None:
+            return None
+        return learned.codebook, scoped_refresh_codes(opt, op, learned.codebook)
+    counts = build_histogram(inputs, {**_live_periods(opt), **staged})
+    if not bool(counts.sum().item() > 0):
+        return None
+    new_codebook = solve_new_codebook(counts, current.device)
+    key = opt.CODEC_KEYS.codes
+    remapped = {
+        index: remap_codes(current, new_codebook, opt.state[param][key])
+        for index, _, param in opt._indexed()
+        if key in opt.state[param]
+    }
+    return new_codebook, remapped
+
+
+def _scoped(opt: OptimizerShell, op: GuardedOperation) -> bool:
+    return op.binding is not None and opt._finalized is not None
+
+
+def refresh_due(opt: OptimizerShell) -> bool:
+    every = int(opt.defaults.get("codebook_refresh_every", 0))
+    return every > 0 and opt.global_step > 0 and opt.global_step % every == 0
+
+
+def stage_step_learning(opt: OptimizerShell, op: GuardedOperation) -> StagedLearning:
+    """What phase 4 learns before the update: new periods, and a first or refreshed codebook."""
+    if not opt._codebook8:
+        return StagedLearning(periods=_stage_new_periods(opt, opt._codebook_inputs(op)))
+    if opt.codebook is None:
+        return _first_codebook(opt, op)
+    inputs = opt._codebook_inputs(op)
+    learning = StagedLearning(periods=_stage_new_periods(opt, inputs))
+    if refresh_due(opt):
+        refreshed = _refreshed(opt, op, inputs, learning.periods)
+        if refreshed is not None:
+            learning.codebook, learning.codes = refreshed
+    return learning
+
+
+def publish(opt: OptimizerShell, learning: StagedLearning) -> None:
+    """Write staged periods, codes and the codebook (the caller latches on failure)."""
+    by_index = {index: param for index, _, param in opt._indexed()}
+    for index, period in learning.periods.items():
+        opt.state[by_index[index]]["period"] = period
+    for index, codes in learning.codes.items():
+        opt.state[by_index[index]][opt.CODEC_KEYS.codes] = codes
+    if learning.codebook is not None:
+        opt._codebook = learning.codebook
+
+
+def _voted_preamble(opt: OptimizerShell, phase: str, checks: Any, op_code: int) -> GuardedOperation:
+    """The preamble voted over the scope, then (scoped) the operation header."""
+    op = opt._operation()
+    payload = op.local(phase, checks)
+    if op.binding is not None and payload is not None:
+        op.header(op_code, payload, HEADER_WORD_NAMES)
+    return op
+
+
+def initialize(opt: OptimizerShell) -> bool:
+    """Learn the codebook from the current gradients without stepping (§2.4, §9.4)."""
+    op = _voted_preamble(opt, PHASE_INITIALIZE_PREAMBLE, opt._preamble_checks, OP_INITIALIZE)
+    if not opt._codebook8 or opt.codebook is not None:
+        return False
+    # Learning may gather gradients (GefenMuon's full_tensor): agree on presence first.
+    opt.check_step_agreement()
+    with torch.no_grad():
+        learning = _first_codebook(opt, op)
+    if learning.noop:
+        return False
+    opt._publish_only(learning)
+    return True
+
+
+def refresh(opt: OptimizerShell) -> bool:
+    """The refresh transaction of §5.6 / §9.5 on demand; True iff the codebook was replaced."""
+    op = _voted_preamble(opt, PHASE_REFRESH_PREAMBLE, opt._refresh_preamble, OP_REFRESH)
+    with torch.no_grad():
+        refreshed = _refreshed(opt, op, opt._codebook_inputs(op), {})
+    if refreshed is None:
+        return False
+    codebook, codes = refreshed
+    opt._publish_only(StagedLearning(codebook=codebook, codes=codes))
+    return True

@@ -1,0 +1,137 @@
+"""Codebook learning and refresh under an explicit codebook scope (50-dist.md §9.3–§9.6).
+
+Every member of the scope enters the same sequence, whatever its local gradients: a voted local
+phase that stages periods and builds the histogram and the contribution records, one gather of
+the records (checked identically everywhere), one exact int64 SUM of the histograms, a voted
+deterministic solve and an agreement on the candidate's fingerprint. Nothing is written: the
+caller publishes what these functions stage.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from gefen.contracts import ParameterLayout, ShardIdentity
+from gefen.core.learning import StagedLearning, build_histogram, remap_codes, solve_new_codebook
+from gefen.dist import (
+    PHASE_CODEBOOK_SOLVE,
+    PHASE_LOCAL_HISTOGRAM_PREPARATION,
+    PHASE_MOMENTUM_REQUANTIZATION_STAGING,
+    GuardedOperation,
+)
+from gefen.dist.codebook_scope import (
+    CONTRIBUTION_LAYOUT_CODES,
+    check_contribution_records,
+    codebook_fingerprint_of,
+    fingerprint_words,
+)
+
+if TYPE_CHECKING:
+    from gefen.core.finalization import Finalized
+    from gefen.core.shell import OptimizerShell
+
+__all__ = ["scoped_learn", "scoped_refresh_codes"]
+
+_Local = tuple[list[int], Tensor, dict[int, int]]
+
+
+def _contributes(shard: ShardIdentity, tensor: Tensor | None, coordinate: int) -> bool:
+    """§9.6: a replicated parameter once (coordinate 0), every non-empty flattened shard, and
+    a whole parameter on its owner only."""
+    if tensor is None or tensor.numel() == 0:
+        return False
+    if shard.layout is ParameterLayout.REPLICATED:
+        return coordinate == 0
+    return True
+
+
+def _local_contributions(
+    optimizer: OptimizerShell, finalized: Finalized, *, stage_periods: bool
+) -> _Local:
+    """Records, local histogram and staged periods over the local shards in canonical order."""
+    index_of = {id(param): (index, group) for index, group, param in optimizer._indexed()}
+    binding = finalized.binding
+    coordinate = 0 if binding is None else binding.coordinate
+    records: list[int] = []
+    periods: dict[int, int] = {}
+    inputs = []
+    input_periods: dict[int, int] = {}
+    for shard, tensor in finalized.shards:
+        grad = None if tensor is None else tensor.grad
+        active = tensor is not None and grad is not None and tensor.numel() > 0
+        period = 0
+        if tensor is not None:
+            index, group = index_of[id(tensor)]
+            period = int(optimizer.state[tensor].get("period", 0))
+            if active and period == 0 and stage_periods:
+                assert grad is not None
+                view = grad.detach()
+                period = optimizer._select_period(group, tensor, view, tuple(view.shape)) or 0
+                periods[index] = period
+            if active and period > 0 and _contributes(shard, tensor, coordinate):
+                assert grad is not None
+                inputs.append((index, grad.detach(), tuple(grad.shape)))
+                input_periods[index] = period
+        length = 0 if tensor is None else tensor.numel()
+        code = CONTRIBUTION_LAYOUT_CODES[shard.layout]
+        records += [code, int(active), period if period > 0 else -1, length]
+    counts = build_histogram(inputs, input_periods)
+    return records, counts, periods
+
+
+def _device(finalized: Finalized) -> torch.device:
+    tensors = [tensor for _, tensor in finalized.shards if tensor is not None]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def scoped_learn(
+    optimizer: OptimizerShell, op: GuardedOperation, *, stage_periods: bool
+) -> StagedLearning | None:
+    """§9.4 step 5 a–e (and §9.5 step 4): a candidate codebook agreed by every member, with
+    the staged periods; None when the summed histogram is empty."""
+    finalized = optimizer._finalized
+    assert finalized is not None
+    records, counts, periods = op.local(
+        PHASE_LOCAL_HISTOGRAM_PREPARATION,
+        _local_contributions,
+        optimizer,
+        finalized,
+        stage_periods=stage_periods,
+    )
+    rows = op.gather(records)
+    check_contribution_records(rows, finalized.manifest, op.owner_name)
+    total = op.sum_int64(counts)
+    if int(total.sum()) == 0:
+        return None
+    candidate = op.local(PHASE_CODEBOOK_SOLVE, solve_new_codebook, total, _device(finalized))
+    op.agree("codebook values", fingerprint_words(codebook_fingerprint_of(candidate)))
+    return StagedLearning(periods=periods, codebook=candidate)
+
+
+def _staged_codes(
+    optimizer: OptimizerShell, finalized: Finalized, new_codebook: Tensor
+) -> dict[int, Tensor]:
+    assert optimizer.codebook is not None
+    index_of = {id(param): index for index, _, param in optimizer._indexed()}
+    key = optimizer.CODEC_KEYS.codes
+    staged: dict[int, Tensor] = {}
+    for _, tensor in finalized.shards:
+        if tensor is not None and key in optimizer.state[tensor]:
+            codes = optimizer.state[tensor][key]
+            staged[index_of[id(tensor)]] = remap_codes(optimizer.codebook, new_codebook, codes)
+    return staged
+
+
+def scoped_refresh_codes(
+    optimizer: OptimizerShell, op: GuardedOperation, new_codebook: Tensor
+) -> dict[int, Tensor]:
+    """§9.5 step 5: every local quantized momentum remapped by the table rule, staged."""
+    finalized = optimizer._finalized
+    assert finalized is not None
+    staged: dict[int, Tensor] = op.local(
+        PHASE_MOMENTUM_REQUANTIZATION_STAGING, _staged_codes, optimizer, finalized, new_codebook
+    )
+    return staged

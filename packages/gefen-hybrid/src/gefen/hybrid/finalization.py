@@ -1,0 +1,70 @@
+"""The hybrid's ``post_sharding`` forwarding and its shared codebook binding (30-hybrid.md §6).
+
+The rebindings are split per child through the ownership registry, each child gets the manifest
+restricted to its FQNs, both children are prepared (Muon first) and only then committed, so one
+binding object is installed on both children or on none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from gefen.contracts import ShardingManifest
+from gefen.core import ParameterRebinding
+from gefen.core.finalization import PreparedFinalization
+from gefen.core.shell import OptimizerShell
+from gefen.dist import CodebookProcessGroupBinding, ProcessGroupBinding
+
+if TYPE_CHECKING:
+    from gefen.hybrid.optimizer import GefenMuonHybrid
+
+__all__ = ["children_binding", "forward_post_sharding"]
+
+
+def children_binding(hybrid: GefenMuonHybrid) -> ProcessGroupBinding | None:
+    """The one binding every Gefen-backed child carries, or None; different ones → error."""
+    bindings = {id(child._binding): child._binding for child in hybrid._gefen_children()}
+    if len(bindings) > 1:
+        raise RuntimeError("GefenMuonHybrid children carry different codebook bindings")
+    return next(iter(bindings.values()), None)
+
+
+def forward_post_sharding(
+    hybrid: GefenMuonHybrid,
+    rebindings: Iterable[ParameterRebinding],
+    manifest: ShardingManifest,
+    binding: CodebookProcessGroupBinding | None,
+) -> None:
+    """Prepare every present child, then commit all of them and rebuild the registry."""
+    if hybrid.backup_optimizer == "adamw" and hybrid.backup is not None:
+        raise NotImplementedError(
+            "GefenMuonHybrid post_sharding needs Gefen-backed children; the AdamW backup has no "
+            "codebook scope"
+        )
+    if type(manifest) is not ShardingManifest:
+        raise TypeError(f"manifest must be a ShardingManifest, got {type(manifest).__name__}")
+    per_child: dict[int, list[ParameterRebinding]] = {id(c): [] for c in hybrid._children}
+    for rebinding in rebindings:
+        if type(rebinding) is not ParameterRebinding:
+            raise TypeError("rebindings must hold ParameterRebinding records")
+        owner = hybrid._owner_of(rebinding.old_parameter)
+        if owner is None:
+            raise ValueError(
+                f"post_sharding: {rebinding.shard.parameter.fqn}: the source is not a parameter "
+                "of this GefenMuonHybrid"
+            )
+        per_child[id(owner)].append(rebinding)
+    prepared: list[PreparedFinalization] = []
+    for child in hybrid._children:
+        assert isinstance(child, OptimizerShell)
+        mine = per_child[id(child)]
+        fqns = {r.shard.parameter.fqn for r in mine}
+        shards = tuple(s for s in manifest.shards if s.parameter.fqn in fqns)
+        restricted = ShardingManifest(shards) if shards else manifest
+        prepared.append(
+            child.prepare_post_sharding(mine, manifest=restricted, codebook_process_group=binding)
+        )
+    for finalization in prepared:
+        finalization.commit()
+    hybrid._rebuild_registry()
