@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
+import gefen.core.codebook_ops as codebook_ops_module
 import gefen.core.learning as learning_module
-import gefen.core.codebook_ops as shell_module
 from gefen.core import Gefen, NonFiniteGradientError
 from gefen.core.kernels import nearest_index
 from gefen.core.testing import SNAPSHOT_ATTRIBUTES
@@ -251,8 +251,8 @@ def test_periodic_refresh_failure_inside_step_changes_nothing(monkeypatch) -> No
 
     # The codebook operations import the name; patch it where it is resolved, and at its
     # source in case a later edit calls it through the module.
-    assert shell_module.solve_new_codebook is learning_module.solve_new_codebook
-    monkeypatch.setattr(shell_module, "solve_new_codebook", failing)
+    assert codebook_ops_module.solve_new_codebook is learning_module.solve_new_codebook
+    monkeypatch.setattr(codebook_ops_module, "solve_new_codebook", failing)
     monkeypatch.setattr(learning_module, "solve_new_codebook", failing)
     set_quadratic_grads()
     before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
@@ -277,13 +277,13 @@ def test_periodic_refresh_at_multiples_of_n(monkeypatch) -> None:
     a = _p(16, 8)
     optimizer = Gefen([a], codebook_refresh_every=3)
     refreshed_at = []
-    original = shell_module._refreshed
+    original = codebook_ops_module._refreshed
 
     def spy(opt, op, inputs, periods):
         refreshed_at.append(opt.global_step)
         return original(opt, op, inputs, periods)
 
-    monkeypatch.setattr(shell_module, "_refreshed", spy)
+    monkeypatch.setattr(codebook_ops_module, "_refreshed", spy)
     for seed in range(11):
         a.grad = _grad(a, seed)
         optimizer.step()
