@@ -90,6 +90,9 @@ class HybridConfig:
         ):
             if resolved[specific] is None:
                 resolved[specific] = options[shared]
+        for name in ("no_decay_substrings", "backup_substrings"):
+            if isinstance(options.get(name), str):
+                raise TypeError(f"{name} must be a sequence of strings, not a single str")
         resolved["no_decay_substrings"] = tuple(options["no_decay_substrings"])
         names = {field.name for field in fields(cls)}
         return cls(**{name: resolved[name] for name in names})

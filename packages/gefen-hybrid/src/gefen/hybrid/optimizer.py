@@ -137,6 +137,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     owners[param] = child
         self._registry: Mapping[Tensor, torch.optim.Optimizer] = MappingProxyType(owners)
         self._snapshots = tuple(snapshots)
+        self._state_view = HybridState(self)
 
     def _owner_of(self, key: object) -> torch.optim.Optimizer | None:
         if not isinstance(key, Tensor):
@@ -161,7 +162,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     @property
     def state(self) -> HybridState:  # type: ignore[override]
-        return HybridState(self)
+        return self._state_view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for child in self._children:

@@ -123,6 +123,70 @@ def _check_codebook(codebook: Tensor) -> Tensor:
     return codebook.contiguous()
 
 
+def _nearest_reference(codebook: Tensor, values: Tensor) -> Tensor:
+    """The normative rule of ``nearest_index`` on flat fp32 values (int64 indices)."""
+    lower, upper = _neighbours(codebook, values)
+    keep_lower = (values - codebook[lower]).abs() <= (values - codebook[upper]).abs()
+    return torch.where(keep_lower, lower, upper)
+
+
+# The nearest index is a non-decreasing step function of x (fp32 rounding is monotone), so a
+# bucket whose bracketing values map to one index maps every value in it there. A table of
+# 2**16 buckets resolves all but the few buckets that hold a decision point; those values take
+# the reference path. Tables are cached per codebook (codebooks are frozen or rarely refreshed).
+_TABLE_BUCKETS = 1 << 16
+_TABLE_CACHE: dict[tuple[str, bytes], tuple[float, float, Tensor]] = {}
+_TABLE_CACHE_SIZE = 4
+
+
+def _rounded(edges: Tensor, *, up: bool) -> Tensor:
+    """fp32 values at or beyond float64 ``edges`` in the given direction."""
+    single = edges.to(torch.float32)
+    beyond = single.double() > edges if not up else single.double() < edges
+    toward = torch.full_like(single, float("inf") if up else float("-inf"))
+    return torch.where(beyond, torch.nextafter(single, toward), single)
+
+
+def _nearest_table(codebook: Tensor) -> tuple[float, float, Tensor] | None:
+    lo, hi = float(codebook[0]), float(codebook[-1])
+    if not hi > lo:
+        return None
+    key = (str(codebook.device), codebook.detach().cpu().numpy().tobytes())
+    cached = _TABLE_CACHE.get(key)
+    if cached is not None:
+        return cached
+    width = (hi - lo) / _TABLE_BUCKETS
+    steps = torch.arange(-1, _TABLE_BUCKETS + 2, dtype=torch.float64, device=codebook.device)
+    edges = lo + width * steps  # edges[b] is the start of bucket b - 1
+    low = _nearest_reference(codebook, _rounded(edges[:_TABLE_BUCKETS], up=False))
+    high = _nearest_reference(codebook, _rounded(edges[3:], up=True))
+    # A computed bucket is off by at most one, and the outermost buckets also take every value
+    # beyond the range, whose nearest codeword is an endpoint.
+    low[0] = 0
+    high[-1] = codebook.numel() - 1
+    table = torch.where(low == high, low, torch.full_like(low, -1))
+    if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+    _TABLE_CACHE[key] = (lo, 1.0 / width, table)
+    return _TABLE_CACHE[key]
+
+
+def _nearest_tabled(codebook: Tensor, values: Tensor) -> Tensor | None:
+    """``_nearest_reference`` through the bucket table, or None when not applicable."""
+    if values.numel() < _BUCKETED_MIN_NUMEL or not bool(torch.isfinite(values).all()):
+        return None
+    built = _nearest_table(codebook)
+    if built is None:
+        return None
+    lo, inverse, table = built
+    buckets = ((values - lo) * inverse).floor_().clamp_(0, _TABLE_BUCKETS - 1).long()
+    nearest = table[buckets]
+    unresolved = nearest < 0
+    if bool(unresolved.any()):
+        nearest[unresolved] = _nearest_reference(codebook, values[unresolved])
+    return nearest
+
+
 def nearest_index(cb: Tensor, x: Tensor) -> Tensor:
     """Index of the nearest codeword to each element of ``fp32(x)``: uint8, ``x``'s shape.
 
@@ -132,9 +196,10 @@ def nearest_index(cb: Tensor, x: Tensor) -> Tensor:
     """
     codebook = _check_codebook(cb)
     values = x.detach().reshape(-1).to(torch.float32)
-    lower, upper = _neighbours(codebook, values)
-    keep_lower = (values - codebook[lower]).abs() <= (values - codebook[upper]).abs()
-    return torch.where(keep_lower, lower, upper).to(torch.uint8).reshape(x.shape)
+    nearest = _nearest_tabled(codebook, values)
+    if nearest is None:
+        nearest = _nearest_reference(codebook, values)
+    return nearest.to(torch.uint8).reshape(x.shape)
 
 
 def stochastic_index(cb: Tensor, x: Tensor, *, seed: tuple[int, int]) -> Tensor:

@@ -1,0 +1,713 @@
+"""GefenMuonHybrid's nested checkpoint and its atomic load (30-hybrid.md §8, §10).
+
+Every rejected load proves that neither child changed (a deep snapshot of both children, taken
+against a checkpoint from an earlier step so that a partial commit would show), that no child
+load method ran when the rule is the hybrid's own, and that the hybrid still trains afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gefen.hybrid.checkpoint as hybrid_checkpoint
+from gefen.core import Gefen
+from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.dist import DistributedStepError
+from gefen.dist.testing import deep_snapshot, snapshot_diff
+from gefen.hybrid import GefenMuonHybrid
+from gefen.muon import GefenMuon
+
+BACKENDS = ["gefen", "adamw"]
+FORMS = ["full", "muon-only", "backup-only"]
+PREFIX = "GefenMuonHybrid checkpoint: "
+SCHEMA = (
+    PREFIX + "expects the nested {'muon', 'backup', 'backup_optimizer'} layout; standard "
+    "{'state', 'param_groups'} checkpoints (e.g. consolidated or converted FSDP/DeepSpeed "
+    "checkpoints) are not supported"
+)
+LATCHED = "previous step failed during commit"
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.norm = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+
+MUON_NAMES = ("hidden.weight", "proj.weight")
+
+
+def _model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def _on(model: nn.Module, form: str, backend: str, **kwargs: Any) -> GefenMuonHybrid:
+    named = list(model.named_parameters())
+    muon = [(n, p) for n, p in named if n in MUON_NAMES]
+    backup = [(n, p) for n, p in named if n not in MUON_NAMES]
+    if form == "muon-only":
+        backup = []
+    elif form == "backup-only":
+        muon = []
+    kwargs.setdefault("lr", 1e-2)
+    kwargs.setdefault("ns_steps", 1)
+    kwargs.setdefault("fused", False)
+    return GefenMuonHybrid(muon, backup, backup_optimizer=backend, **kwargs)
+
+
+def _build(
+    backend: str, form: str = "full", seed: int = 0, **kwargs: Any
+) -> tuple[TinyLM, GefenMuonHybrid]:
+    model = _model(seed)
+    return model, _on(model, form, backend, **kwargs)
+
+
+def _params(hybrid: GefenMuonHybrid) -> list[torch.Tensor]:
+    return [p for group in hybrid.param_groups for p in group["params"]]
+
+
+def _set_grads(hybrid: GefenMuonHybrid, seed: int) -> None:
+    for index, p in enumerate(_params(hybrid)):
+        generator = torch.Generator().manual_seed(seed + index)
+        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+
+
+def _stepped(hybrid: GefenMuonHybrid, steps: int = 1, seed: int = 50) -> None:
+    for step in range(steps):
+        _set_grads(hybrid, seed + 100 * step)
+        hybrid.step()
+
+
+def _counters(hybrid: GefenMuonHybrid) -> tuple[int, ...]:
+    counts = []
+    for child in hybrid._children:
+        if isinstance(child, (Gefen, GefenMuon)):
+            counts.append(child.global_step)
+        else:
+            steps = [int(entry["step"]) for entry in child.state.values() if "step" in entry]
+            counts.append(max(steps, default=0))
+    return tuple(counts)
+
+
+def _trains(hybrid: GefenMuonHybrid, seed: int = 123) -> None:
+    params = _params(hybrid)
+    _set_grads(hybrid, seed)
+    before = [p.detach().clone() for p in params]
+    counters = _counters(hybrid)
+    hybrid.step()
+    assert _counters(hybrid) == tuple(c + 1 for c in counters)
+    assert all(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert not hybrid._commit_failed
+
+
+def _snapshot(hybrid: GefenMuonHybrid) -> dict[str, Any]:
+    snap: dict[str, Any] = {
+        role: deep_snapshot(child, attributes=SNAPSHOT_ATTRIBUTES)
+        for role, child in (("muon", hybrid.muon), ("backup", hybrid.backup))
+        if child is not None
+    }
+    snap["latched"] = hybrid._commit_failed
+    return snap
+
+
+def _assert_unchanged(before: dict[str, Any], hybrid: GefenMuonHybrid) -> None:
+    after = _snapshot(hybrid)
+    assert before.keys() == after.keys()
+    assert before["latched"] == after["latched"]
+    problems = [
+        f"{role}: {line}"
+        for role in before
+        if role != "latched"
+        for line in snapshot_diff(before[role], after[role])
+    ]
+    assert not problems, "a child changed:\n  " + "\n  ".join(problems)
+
+
+def _same(a: Any, b: Any, path: str = "sd") -> None:
+    """Deep equality of two checkpoint trees; tensors compared by dtype, shape and bits."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict), path
+        assert list(a) == list(b), (path, list(a), list(b))
+        for key in a:
+            _same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b), path
+        assert len(a) == len(b), path
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{path}[{index}]")
+    else:
+        assert type(a) is type(b), (path, a, b)
+        assert a == b, (path, a, b)
+
+
+def _tensor_ids(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        return [id(value)]
+    if isinstance(value, dict):
+        return [i for item in value.values() for i in _tensor_ids(item)]
+    if isinstance(value, (list, tuple)):
+        return [i for item in value for i in _tensor_ids(item)]
+    return []
+
+
+def _watch_children(hybrid: GefenMuonHybrid, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record (and pass through) every child load method the hybrid could call."""
+    calls: list[str] = []
+    for role, child in (("muon", hybrid.muon), ("backup", hybrid.backup)):
+        if child is None:
+            continue
+        for name in ("prepare_load_state_dict", "load_state_dict"):
+            real = getattr(child, name, None)
+            if real is None:
+                continue
+
+            def recorder(*args: Any, _real: Any = real, _tag: str = f"{role}.{name}") -> Any:
+                calls.append(_tag)
+                return _real(*args)
+
+            monkeypatch.setattr(child, name, recorder)
+    real_adamw = hybrid_checkpoint.prepare_adamw_load
+
+    def adamw_recorder(*args: Any) -> Any:
+        calls.append("backup.prepare_adamw_load")
+        return real_adamw(*args)
+
+    monkeypatch.setattr(hybrid_checkpoint, "prepare_adamw_load", adamw_recorder)
+    return calls
+
+
+def _rejects_load(
+    hybrid: GefenMuonHybrid,
+    sd: Any,
+    message: str,
+    *,
+    exact: bool = True,
+) -> ValueError:
+    before = _snapshot(hybrid)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        hybrid.load_state_dict(sd)
+    assert not isinstance(info.value, DistributedStepError)  # empty scope: unchanged error
+    if exact:
+        assert str(info.value) == message
+    _assert_unchanged(before, hybrid)
+    _trains(hybrid)
+    return info.value
+
+
+def _saved_then_stepped(
+    backend: str, form: str = "full", **kwargs: Any
+) -> tuple[TinyLM, GefenMuonHybrid, dict[str, Any]]:
+    """A hybrid one step ahead of ``saved``, so any partial commit of ``saved`` would show."""
+    model, hybrid = _build(backend, form, **kwargs)
+    _stepped(hybrid)
+    saved = copy.deepcopy(hybrid.state_dict())
+    _stepped(hybrid, seed=77)
+    return model, hybrid, saved
+
+
+# --------------------------------------------------------------------------------------------
+# Format and round trips
+
+
+def _only_tensors_and_primitives(value: Any, path: str = "sd") -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            assert isinstance(key, (str, int)), (path, key)
+            assert not isinstance(key, bool), (path, key)
+            _only_tensors_and_primitives(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _only_tensors_and_primitives(item, f"{path}[{index}]")
+    else:
+        assert value is None or isinstance(value, (torch.Tensor, bool, int, float, str)), (
+            path,
+            type(value),
+        )
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dict_is_nested_primitive_and_weights_only_loadable(backend: str, form: str) -> None:
+    _, hybrid = _build(backend, form)
+    _stepped(hybrid, steps=2)
+    sd = hybrid.state_dict()
+    assert type(sd) is dict
+    assert list(sd) == ["muon", "backup", "backup_optimizer"]
+    assert sd["backup_optimizer"] == backend
+    for half in ("muon", "backup"):
+        child = getattr(hybrid, half)
+        if child is None:
+            assert sd[half] is None
+        else:
+            _same(sd[half], child.state_dict())  # the child's public state_dict
+    _only_tensors_and_primitives(sd)
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    _same(torch.load(buffer, weights_only=True), sd)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip_then_step_resumes_bit_exactly(backend: str, form: str) -> None:
+    model, hybrid = _build(backend, form)
+    _stepped(hybrid, steps=2)
+    buffer = io.BytesIO()
+    torch.save(hybrid.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    twin_model = copy.deepcopy(model)
+    twin = _on(twin_model, form, backend)
+    twin.load_state_dict(loaded)
+    _same(twin.state_dict(), hybrid.state_dict())
+    assert _counters(twin) == _counters(hybrid)
+    for step in range(3):
+        _set_grads(hybrid, 300 + 10 * step)
+        _set_grads(twin, 300 + 10 * step)
+        hybrid.step()
+        twin.step()
+        for p, q in zip(_params(hybrid), _params(twin), strict=True):
+            assert torch.equal(p.detach(), q.detach())
+    _same(twin.state_dict(), hybrid.state_dict())
+    assert _counters(twin) == tuple(5 for _ in hybrid._children)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_accepts_the_keyword(backend: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    hybrid.load_state_dict(state_dict=saved)
+    _same(hybrid.state_dict(), saved)
+    assert _counters(hybrid) == (1, 1)
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_successful_load_stages_through_the_children_and_never_calls_their_load(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The positive control of the "before any child method" tests below: the recorders work.
+    _, hybrid, saved = _saved_then_stepped(backend)
+    calls = _watch_children(hybrid, monkeypatch)
+    hybrid.load_state_dict(saved)
+    backup_call = (
+        "backup.prepare_load_state_dict" if backend == "gefen" else "backup.prepare_adamw_load"
+    )
+    assert calls == ["muon.prepare_load_state_dict", backup_call]
+    _same(hybrid.state_dict(), saved)
+
+
+def test_state_dict_hooks_fire_once_and_the_post_hook_may_replace() -> None:
+    _, hybrid = _build("gefen")
+    _stepped(hybrid)
+    counts = {"pre": 0, "post": 0}
+
+    def pre(optimizer: Any) -> None:
+        assert optimizer is hybrid
+        counts["pre"] += 1
+
+    def post(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        counts["post"] += 1
+        assert list(sd) == ["muon", "backup", "backup_optimizer"]
+        return {**sd, "note": "replaced"}
+
+    hybrid.register_state_dict_pre_hook(pre)
+    hybrid.register_state_dict_post_hook(post)
+    sd = hybrid.state_dict()
+    assert counts == {"pre": 1, "post": 1}
+    assert sd["note"] == "replaced"
+
+
+# --------------------------------------------------------------------------------------------
+# The hybrid's own rejections: before any child method is called
+
+
+def _schema_cases(saved: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "standard": {"state": {}, "param_groups": [{"params": [0, 1]}]},
+        "muon-as-standard": saved["muon"],
+        "list": [saved["muon"], saved["backup"]],
+        "string": "checkpoint.pt",
+    }
+
+
+@pytest.mark.parametrize("case", ["standard", "muon-as-standard", "list", "string"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schema_rejections(backend: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    calls = _watch_children(hybrid, monkeypatch)
+    _rejects_load(hybrid, _schema_cases(saved)[case], SCHEMA)
+    assert calls == []
+
+
+def _lacks(half: str) -> str:
+    return f"{PREFIX}lacks the '{half}' half; loading would silently reset its state"
+
+
+def _carries(half: str) -> str:
+    return f"{PREFIX}carries a '{half}' half but this optimizer has none"
+
+
+@pytest.mark.parametrize("how", ["none", "absent"])
+@pytest.mark.parametrize("half", ["muon", "backup"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_missing_half_is_rejected(
+    backend: str, half: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    broken = copy.deepcopy(saved)
+    if how == "none":
+        broken[half] = None
+    else:
+        del broken[half]
+    calls = _watch_children(hybrid, monkeypatch)
+    _rejects_load(hybrid, broken, _lacks(half))
+    assert calls == []
+
+
+@pytest.mark.parametrize("extra", ["backup", "muon"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_extra_half_is_rejected(
+    backend: str, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, full = _build(backend)
+    _stepped(full)
+    full_sd = copy.deepcopy(full.state_dict())
+    form = "muon-only" if extra == "backup" else "backup-only"
+    _, hybrid = _build(backend, form)
+    _stepped(hybrid, steps=2)
+    calls = _watch_children(hybrid, monkeypatch)
+    _rejects_load(hybrid, full_sd, _carries(extra))
+    assert calls == []
+
+
+def _tag_message(saved: object, live: str) -> str:
+    return (
+        f"{PREFIX}backup_optimizer={saved!r} does not match backup_optimizer={live!r}; there is "
+        "no cross-backend conversion"
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_of_the_other_backend_is_rejected(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = "adamw" if backend == "gefen" else "gefen"
+    _, source = _build(other)
+    _stepped(source)
+    foreign = copy.deepcopy(source.state_dict())
+    _, hybrid = _build(backend)
+    _stepped(hybrid, steps=2)
+    calls = _watch_children(hybrid, monkeypatch)
+    _rejects_load(hybrid, foreign, _tag_message(other, backend))
+    assert calls == []
+
+
+@pytest.mark.parametrize("tag", ["untagged", "sgd", "GEFEN", "none-value"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_wrong_or_missing_tag_is_rejected(
+    backend: str, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    broken = copy.deepcopy(saved)
+    if tag == "untagged":
+        del broken["backup_optimizer"]
+        saved_tag: object = None
+    elif tag == "none-value":
+        broken["backup_optimizer"] = None
+        saved_tag = None
+    else:
+        saved_tag = backend.upper() if tag == "GEFEN" else tag
+        broken["backup_optimizer"] = saved_tag
+    calls = _watch_children(hybrid, monkeypatch)
+    _rejects_load(hybrid, broken, _tag_message(saved_tag, backend))
+    assert calls == []
+
+
+def test_a_gefen_tagged_checkpoint_without_backup_loads_into_an_adamw_muon_only_hybrid() -> None:
+    _, gefen_hybrid = _build("gefen", "muon-only")
+    _stepped(gefen_hybrid)
+    sd = copy.deepcopy(gefen_hybrid.state_dict())
+    assert sd["backup"] is None
+    assert sd["backup_optimizer"] == "gefen"
+    _, adamw_hybrid = _build("adamw", "muon-only")
+    _stepped(adamw_hybrid, steps=2)
+    adamw_hybrid.load_state_dict(sd)  # the tag is only checked when a backup half exists
+    _same(adamw_hybrid.state_dict()["muon"], sd["muon"])
+    assert adamw_hybrid.state_dict()["backup_optimizer"] == "adamw"
+    _trains(adamw_hybrid)
+
+
+# --------------------------------------------------------------------------------------------
+# Child rejections: their own prefix, and nothing committed anywhere
+
+
+@pytest.mark.parametrize("half", ["muon", "backup"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_child_rejection_keeps_its_own_prefix(backend: str, half: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    broken = copy.deepcopy(saved)
+    group = broken[half]["param_groups"][0]
+    group["params"] = group["params"][:-1]  # one parameter id short
+    if half == "muon":
+        prefix = "GefenMuon checkpoint: "
+    elif backend == "gefen":
+        prefix = "Gefen checkpoint: "
+    else:
+        prefix = PREFIX + "AdamW backup: "
+    error = _rejects_load(hybrid, broken, prefix, exact=False)
+    assert str(error).startswith(prefix)
+    if half == "muon" or backend == "gefen":
+        assert not str(error).startswith(PREFIX)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_backup_group_count_rejection_leaves_muon_byte_identical(backend: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend, no_decay_substrings=("bias", "norm"))
+    assert hybrid.backup is not None
+    assert len(hybrid.backup.param_groups) == 2
+    assert hybrid.muon is not None
+    broken = copy.deepcopy(saved)
+    broken["backup"]["param_groups"] = broken["backup"]["param_groups"][:1]
+    muon_state = hybrid.muon.state
+    muon_ids = _tensor_ids(list(hybrid.muon.state.values()))
+    codebook = hybrid.muon.codebook
+    prefix = "Gefen checkpoint: " if backend == "gefen" else PREFIX + "AdamW backup: "
+    error = _rejects_load(hybrid, broken, prefix + "the group count 1 differs", exact=False)
+    assert str(error).startswith(prefix)
+    # _rejects_load already compared both deep snapshots (bytes and identities) and then took
+    # one training step; the Muon objects are still the very same ones.
+    assert hybrid.muon.state is muon_state
+    assert hybrid.muon.codebook is codebook
+    assert len(muon_ids) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_backup_group_count_rejection_commits_no_muon_state(backend: str) -> None:
+    # The same rejection, checked without the training step: ids of every Muon tensor kept.
+    _, hybrid, saved = _saved_then_stepped(backend, no_decay_substrings=("bias", "norm"))
+    assert hybrid.muon is not None
+    broken = copy.deepcopy(saved)
+    broken["backup"]["param_groups"] = broken["backup"]["param_groups"][:1]
+    entries = {id(p): dict(entry) for p, entry in hybrid.muon.state.items()}
+    ids = _tensor_ids(entries)
+    before = deep_snapshot(hybrid.muon, attributes=SNAPSHOT_ATTRIBUTES)
+    with pytest.raises(ValueError, match="the group count 1 differs"):
+        hybrid.load_state_dict(broken)
+    assert snapshot_diff(before, deep_snapshot(hybrid.muon, attributes=SNAPSHOT_ATTRIBUTES)) == []
+    after = {id(p): dict(entry) for p, entry in hybrid.muon.state.items()}
+    assert _tensor_ids(after) == ids
+    assert hybrid.muon.global_step == 2
+
+
+@pytest.mark.parametrize("key", ["step", "exp_avg", "exp_avg_sq"])
+def test_an_adamw_entry_missing_a_key_is_rejected(key: str) -> None:
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    entry_id = broken["backup"]["param_groups"][0]["params"][0]
+    del broken["backup"]["state"][entry_id][key]
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert f"missing '{key}'" in str(error)
+
+
+@pytest.mark.parametrize(
+    "step", [float("nan"), -1.0, "three"], ids=["nan-step", "negative-step", "str-step"]
+)
+def test_an_adamw_entry_with_a_bad_step_is_rejected(step: object) -> None:
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    entry_id = broken["backup"]["param_groups"][0]["params"][0]
+    broken["backup"]["state"][entry_id]["step"] = (
+        torch.tensor(step) if isinstance(step, float) else step
+    )
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert "'step'" in str(error)
+
+
+def test_an_adamw_entry_with_a_wrong_shape_is_rejected() -> None:
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    entry_id = broken["backup"]["param_groups"][0]["params"][0]
+    entry = broken["backup"]["state"][entry_id]
+    entry["exp_avg"] = entry["exp_avg"].flatten()
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert "'exp_avg' must be a tensor of shape" in str(error)
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks around a load
+
+
+@pytest.mark.parametrize("raiser", ["muon", "backup"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_raising_child_load_post_hook_leaves_both_children_committed(
+    backend: str, raiser: str
+) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    child = hybrid.muon if raiser == "muon" else hybrid.backup
+    assert child is not None
+
+    def raising(optimizer: Any) -> None:
+        raise RuntimeError(f"{raiser} post-hook failure")
+
+    child.register_load_state_dict_post_hook(raising)
+    with pytest.raises(RuntimeError, match=f"{raiser} post-hook failure"):
+        hybrid.load_state_dict(saved)
+    # Both halves hold the checkpoint, not the live state one step ahead of it.
+    assert hybrid.muon is not None
+    assert hybrid.backup is not None
+    _same(hybrid.muon.state_dict(), saved["muon"])
+    _same(hybrid.backup.state_dict(), saved["backup"])
+    assert _counters(hybrid) == (1, 1)
+    assert not hybrid._commit_failed
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_pre_hooks_run_on_a_copy(backend: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    caller = copy.deepcopy(saved)
+    reference = copy.deepcopy(caller)
+    ids = _tensor_ids(caller)
+    received: list[Any] = []
+
+    def mutating(optimizer: Any, sd: dict[str, Any]) -> None:
+        assert optimizer is hybrid
+        received.append(sd)
+        sd["muon"]["param_groups"][0]["lr"] = 0.125
+        sd["backup"]["param_groups"][0]["lr"] = 0.25
+        sd["note"] = "added by the hook"
+        for half in ("muon", "backup"):
+            for entry in sd[half]["state"].values():  # entry dicts are copies too
+                for key, value in list(entry.items()):
+                    if isinstance(value, torch.Tensor):
+                        entry[key] = value.clone()
+
+    hybrid.register_load_state_dict_pre_hook(mutating)
+    hybrid.load_state_dict(caller)
+    assert len(received) == 1
+    assert received[0] is not caller
+    _same(caller, reference)  # deep-unchanged: containers, keys, order and values
+    assert _tensor_ids(caller) == ids
+    assert hybrid.muon is not None
+    assert hybrid.backup is not None
+    assert hybrid.muon.param_groups[0]["lr"] == 0.125  # the hook's edits were loaded
+    assert hybrid.backup.param_groups[0]["lr"] == 0.25
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_load_pre_hook_may_return_a_replacement(backend: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)  # saved: 1 step; live: 2 steps
+    later = copy.deepcopy(hybrid.state_dict())
+    caller = copy.deepcopy(later)
+    calls = []
+
+    def replacing(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        calls.append(1)
+        return copy.deepcopy(saved)
+
+    hybrid.register_load_state_dict_pre_hook(replacing)
+    _stepped(hybrid, seed=88)
+    hybrid.load_state_dict(caller)
+    assert calls == [1]
+    _same(hybrid.state_dict(), saved)  # the replacement was loaded, not the caller's dict
+    assert _counters(hybrid) == (1, 1)
+    _same(caller, later)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_hybrid_load_post_hook_fires_once_after_success_never_after_rejection(
+    backend: str,
+) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    fired: list[Any] = []
+    hybrid.register_load_state_dict_post_hook(lambda optimizer: fired.append(optimizer))
+    rejected = [
+        {**copy.deepcopy(saved), "backup_optimizer": "sgd"},
+        {"state": {}, "param_groups": []},
+        {**copy.deepcopy(saved), "muon": None},
+    ]
+    for sd in rejected:
+        with pytest.raises(ValueError, match=re.escape(PREFIX)):
+            hybrid.load_state_dict(sd)
+        assert fired == []
+    broken = copy.deepcopy(saved)
+    broken["muon"]["param_groups"] = []
+    with pytest.raises(ValueError, match="GefenMuon checkpoint: "):
+        hybrid.load_state_dict(broken)
+    assert fired == []
+    hybrid.load_state_dict(saved)
+    assert fired == [hybrid]
+    hybrid.load_state_dict(saved)
+    assert fired == [hybrid, hybrid]
+
+
+# --------------------------------------------------------------------------------------------
+# The failed-commit latch and loads
+
+
+def _inject_failure(
+    hybrid: GefenMuonHybrid, half: str, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[], None]:
+    child = hybrid.muon if half == "muon" else hybrid.backup
+    assert child is not None
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"injected {half} commit failure")
+
+    name = "_commit_step" if isinstance(child, (Gefen, GefenMuon)) else "step"
+    monkeypatch.setattr(child, name, failing)
+    return lambda: monkeypatch.delattr(child, name)
+
+
+@pytest.mark.parametrize("half", ["muon", "backup"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_successful_load_clears_the_hybrid_latch_and_the_childrens(
+    backend: str, half: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    remove = _inject_failure(hybrid, half, monkeypatch)
+    _set_grads(hybrid, 5)
+    with pytest.raises(RuntimeError, match=f"injected {half} commit failure"):
+        hybrid.step()
+    remove()
+    assert hybrid._commit_failed
+    failing_child = hybrid.muon if half == "muon" else hybrid.backup
+    if isinstance(failing_child, (Gefen, GefenMuon)):
+        assert failing_child._commit_failed
+    with pytest.raises(RuntimeError, match=LATCHED):
+        hybrid.step()
+    # A rejected load (hybrid rule, then a child rule) keeps every latch.
+    with pytest.raises(ValueError, match=re.escape(PREFIX)):
+        hybrid.load_state_dict({**saved, "backup_optimizer": "sgd"})
+    broken = copy.deepcopy(saved)
+    broken["muon"]["param_groups"] = []
+    with pytest.raises(ValueError, match="GefenMuon checkpoint: "):
+        hybrid.load_state_dict(broken)
+    assert hybrid._commit_failed
+    with pytest.raises(RuntimeError, match=LATCHED):
+        hybrid.step()
+    hybrid.load_state_dict(saved)
+    assert not hybrid._commit_failed
+    for child in hybrid._children:
+        assert not getattr(child, "_commit_failed", False)
+    _same(hybrid.state_dict(), saved)
+    _trains(hybrid)
