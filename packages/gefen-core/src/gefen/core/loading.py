@@ -1,4 +1,4 @@
-"""Gefen's part of load staging (10-core.md §8.3 entries, §8.4 family migration).
+"""Load staging of per-parameter entries (10-core.md §8.3 entries, §8.4 family migration).
 
 Each saved entry is checked by the one validator ``validate_entry``, copied to its parameter's
 device in its saved dtype (torch's base loader would cast floating state to the parameter
@@ -8,48 +8,57 @@ dtype), and migrated when its group now selects the other second-moment family.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gefen.core.state import copy_entry, entry_family, migrate_family, validate_entry
+from gefen.core.state import (
+    EntrySpec,
+    copy_entry,
+    entry_family,
+    migrate_family,
+    validate_entry,
+)
 from gefen.core.validation import local_tensor, parameter_label
 
 if TYPE_CHECKING:
     from gefen.core.optimizer import Gefen
+    from gefen.core.shell import OptimizerShell
 
-__all__ = ["stage_gefen_entries"]
+__all__ = ["EntryFinisher", "stage_entries", "stage_gefen_entries"]
+
+EntryFinisher = Callable[[EntrySpec, dict[str, Any], str, Any], dict[str, Any]]
+"""An optimizer's last step on a validated, copied entry (spec, entry, where, parameter)."""
 
 
-def stage_gefen_entries(
-    optimizer: Gefen, saved_state: Mapping[int, Any], groups: list[dict[str, Any]]
+def stage_entries(
+    optimizer: OptimizerShell,
+    saved_state: Mapping[int, Any],
+    groups: list[dict[str, Any]],
+    finish: EntryFinisher | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Shadow entries by flat position; a missing entry is the pristine placeholder."""
-    owner = optimizer.OWNER_NAME
-    codec_prefix = "q8" if optimizer.defaults["momentum_codec"] == "codebook8" else "fp32"
+    """Shadow entries by flat position: each saved entry is checked by the one validator, the
+    other codec is rejected, and the entry is copied (a missing one is the placeholder)."""
+    prefix = "q8" if optimizer.defaults["momentum_codec"] == "codebook8" else "fp32"
     staged: dict[int, dict[str, Any]] = {}
-    position = 0
     for group_index, group in enumerate(groups):
         for slot, param in enumerate(group["params"]):
+            index = len(staged)
             label = parameter_label(group, group_index, slot)
-            staged[position] = _stage_one(
-                optimizer,
-                group,
-                param,
-                saved_state.get(position),
-                f"{owner} checkpoint: entry {label}",
-                codec_prefix,
+            where = f"{optimizer.OWNER_NAME} checkpoint: entry {label}"
+            staged[index] = _stage_one(
+                optimizer, group, param, saved_state.get(index), where, prefix, finish
             )
-            position += 1
     return staged
 
 
 def _stage_one(
-    optimizer: Gefen,
+    optimizer: OptimizerShell,
     group: Mapping[str, Any],
     param: Any,
     saved: Any,
     where: str,
-    codec_prefix: str,
+    prefix: str,
+    finish: EntryFinisher | None,
 ) -> dict[str, Any]:
     if saved is None:
         return {"period": 0}
@@ -57,16 +66,27 @@ def _stage_one(
     variant = validate_entry(saved, where=where, **spec.kwargs())
     if variant == "uninitialized":
         return {"period": saved["period"]}
-    if not variant.startswith(codec_prefix + "_"):
+    if variant.split("_")[0] != prefix:
         raise ValueError(f"{where}: the entry belongs to the other momentum codec ({variant})")
-    device = local_tensor(param).device
-    entry = copy_entry(saved, device)
-    if entry_family(entry) != spec.second_moment:
-        warnings.warn(
-            f"{where}: migrated to the {spec.second_moment} second-moment family "
-            "(factored_v_2d changed); v_step restarts at 0",
-            UserWarning,
-            stacklevel=6,
-        )
-        entry = migrate_family(entry, spec, device)
-    return entry
+    entry = copy_entry(saved, local_tensor(param).device)
+    return entry if finish is None else finish(spec, entry, where, param)
+
+
+def _migrated(spec: EntrySpec, entry: dict[str, Any], where: str, param: Any) -> dict[str, Any]:
+    """Gefen: an entry of the other second-moment family is migrated (§8.4)."""
+    if entry_family(entry) == spec.second_moment:
+        return entry
+    warnings.warn(
+        f"{where}: migrated to the {spec.second_moment} second-moment family "
+        "(factored_v_2d changed); v_step restarts at 0",
+        UserWarning,
+        stacklevel=6,
+    )
+    return migrate_family(entry, spec, local_tensor(param).device)
+
+
+def stage_gefen_entries(
+    optimizer: Gefen, saved_state: Mapping[int, Any], groups: list[dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """Gefen's shadow entries, with family migration."""
+    return stage_entries(optimizer, saved_state, groups, _migrated)

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from gefen.core.state import copy_entry, is_initialized, validate_entry
-from gefen.core.validation import local_tensor, parameter_label
+from gefen.core.loading import stage_entries
+from gefen.core.state import is_initialized
+from gefen.core.validation import parameter_label
 from gefen.dist import BindingError, CheckpointProcessGroupBinding, broadcast_owner_state
 from gefen.muon.kernels import stable_owner
 from gefen.muon.modes import APPROX, DistributedSlot, distributed_slots
@@ -264,23 +265,10 @@ def _structural_modes(optimizer: GefenMuon, groups: list[dict[str, Any]]) -> Non
         staged["sharded_mode"] = live_mode
 
 
-def _stage_entry(
-    optimizer: GefenMuon, group: Mapping[str, Any], param: Tensor, saved: Any, where: str
-) -> dict[str, Any]:
-    if saved is None:
-        return {"period": 0}
-    spec = optimizer._entry_spec(group, param)
-    variant = validate_entry(saved, where=where, **spec.kwargs())
-    if variant == "uninitialized":
-        return {"period": saved["period"]}
-    live = "q8" if optimizer.defaults["momentum_codec"] == "codebook8" else "fp32"
-    if variant != live:
-        raise ValueError(f"{where}: the entry belongs to the other momentum codec ({variant})")
-    if ("normuon_v" in saved) != ("normuon_step" in saved):
+def _normuon_pair(spec: Any, entry: dict[str, Any], where: str, param: Any) -> dict[str, Any]:
+    if ("normuon_v" in entry) != ("normuon_step" in entry):
         raise ValueError(f"{where}: 'normuon_v' and 'normuon_step' must appear together")
-    if "normuon_v" in saved and not isinstance(saved["normuon_v"], Tensor):
-        raise ValueError(f"{where}: 'normuon_v' must be a tensor")
-    return copy_entry(saved, local_tensor(param).device)
+    return entry
 
 
 def stage_muon_entries(
@@ -292,12 +280,7 @@ def stage_muon_entries(
     """Shadow entries by flat position, validated; non-owned distributed entries dropped."""
     _structural_modes(optimizer, groups)
     _ManifestCheck(optimizer, saved_state, groups).check(extras)
-    staged: dict[int, dict[str, Any]] = {}
-    for group_index, group in enumerate(groups):
-        for position, param in enumerate(group["params"]):
-            index = len(staged)
-            where = f"GefenMuon checkpoint: entry {parameter_label(group, group_index, position)}"
-            staged[index] = _stage_entry(optimizer, group, param, saved_state.get(index), where)
+    staged = stage_entries(optimizer, saved_state, groups, _normuon_pair)
     for slots in distributed_slots(_indexed(groups)):
         for slot in slots:
             if not slot.is_owner():
