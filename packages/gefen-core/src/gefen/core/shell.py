@@ -482,6 +482,7 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def prepare_load_state_dict(self, sd: Mapping[str, Any]) -> PreparedLoad:
         """Stage and validate a load on shadow objects; mutates nothing (§8.2)."""
+        self._check_finalized_layout()
         return prepare_load(self, sd)
 
     def _check_checkpoint_binding(self, checkpoint_binding: object) -> None:
@@ -509,7 +510,6 @@ class OptimizerShell(HookedStepState, Optimizer):
             )
 
     def _checked_prepare(self, sd: Mapping[str, Any], checkpoint_binding: object) -> PreparedLoad:
-        self._check_finalized_layout()
         self._check_checkpoint_binding(checkpoint_binding)
         return self.prepare_load_state_dict(sd)
 

@@ -86,6 +86,7 @@ def _check_halves(hybrid: GefenMuonHybrid, sd: Mapping[str, Any]) -> None:
 
 def prepare_hybrid_load(hybrid: GefenMuonHybrid, state_dict: Any) -> PreparedHybridLoad:
     """Steps 1–5 of §8: nothing of the hybrid, its children or the caller's dict changes."""
+    hybrid._check_layout()
     copied = copy_containers(state_dict)
     for hook in hybrid._optimizer_load_state_dict_pre_hooks.values():
         replaced = hook(hybrid, copied)
