@@ -73,7 +73,7 @@ def _oracle(pieces: list[torch.Tensor]) -> list[float]:
 class ScopedHybrid:
     """A hybrid of this rank whose parameters were replaced by REPLICATED copies."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, muon_names: tuple[str, ...] = MUON_NAMES) -> None:
         import torch.distributed as dist
 
         from gefen.contracts import (
@@ -91,9 +91,10 @@ class ScopedHybrid:
         from gefen.hybrid import GefenMuonHybrid
 
         torch.manual_seed(0)
-        originals = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in SHAPES.items()}
+        names = (*muon_names, *BACKUP_NAMES)
+        originals = {name: torch.nn.Parameter(torch.randn(SHAPES[name])) for name in names}
         self.hybrid = GefenMuonHybrid(
-            [(name, originals[name]) for name in MUON_NAMES],
+            [(name, originals[name]) for name in muon_names],
             [(name, originals[name]) for name in BACKUP_NAMES],
             lr=0.01,
             ns_steps=1,
@@ -103,7 +104,8 @@ class ScopedHybrid:
         member = f"rank:{rank}"
         self.binding = CodebookProcessGroupBinding(identity, member, dist.group.WORLD, "cpu")
         shards: dict[str, list[Any]] = {}
-        for name, shape in SHAPES.items():
+        for name in names:
+            shape = SHAPES[name]
             parameter = ParameterIdentity(name, shape)
             numel = int(torch.Size(shape).numel())
             shards[name] = [
@@ -123,7 +125,7 @@ class ScopedHybrid:
         }
         rebindings = [
             ParameterRebinding(originals[name], self.targets[name], shards[name][rank])
-            for name in SHAPES
+            for name in names
         ]
         self.hybrid.post_sharding(
             rebindings, manifest=manifest, codebook_process_group=self.binding
@@ -131,7 +133,8 @@ class ScopedHybrid:
 
     def set_grads(self, seed: int, muon_seed: int | None = None) -> None:
         for name, grad in _grads(seed, muon_seed).items():
-            self.targets[name].grad = grad
+            if name in self.targets:
+                self.targets[name].grad = grad
 
     def train(self, seeds: range, muon_offset: int = 0) -> None:
         for seed in seeds:
@@ -142,6 +145,9 @@ class ScopedHybrid:
         result = {}
         for role in ("muon", "backup"):
             child = getattr(self.hybrid, role)
+            if child is None:
+                result[role] = None
+                continue
             codebook = child.codebook
             result[role] = None if codebook is None else codebook.tolist()
         return result
@@ -303,12 +309,29 @@ def scenario_clear_binding(rank: int, world_size: int, which: str) -> dict[str, 
     return result
 
 
+def scenario_child_presence(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1's hybrid has no Muon child: the first composite header names child_presence."""
+    scoped = ScopedHybrid(rank, MUON_NAMES if rank == 0 else ())
+    scoped.set_grads(1)
+    before = _snapshot(scoped.hybrid) if rank == 0 else None
+    headers = _record_headers()
+    try:
+        result = _attempt(scoped.hybrid.step)
+    finally:
+        _restore_headers()
+    result["headers"] = headers
+    result["muon_present"] = scoped.hybrid.muon is not None
+    result["changes"] = None if before is None else _changes(scoped.hybrid, before)
+    return result
+
+
 SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("learn", scenario_learn, ()),
     ("reload_muon", scenario_reload_header, ("muon",)),
     ("reload_backup", scenario_reload_header, ("backup",)),
     ("clear_both", scenario_clear_binding, ("both",)),
     ("clear_muon", scenario_clear_binding, ("muon",)),
+    ("child_presence", scenario_child_presence, ()),
 ]
 
 
@@ -399,3 +422,20 @@ def test_closure_clearing_the_children_binding_on_rank_zero_fails_the_voted_pref
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
     _same_after(results, 3)
+
+
+def test_child_presence_differing_fails_identically_at_the_first_header(
+    world: ScenarioWorld,
+) -> None:
+    results = world["child_presence"]
+    assert [r["muon_present"] for r in results] == [True, False]
+    expected = (
+        "GroupAgreementError: GefenMuonHybrid operation header differs across process-group "
+        "members: child_presence"
+    )
+    for result in results:
+        assert result["error"] == expected
+        assert result["elapsed"] < DEADLINE_S
+        # Only the mask header was exchanged: no child header, no learning, no commit.
+        assert result["headers"] == [(3, 1)]
+    assert results[0]["changes"] == []
