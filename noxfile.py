@@ -29,6 +29,8 @@ DIST = ROOT / "dist"
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
 TOOLING = ("hatchling>=1.21",)
+HARNESS_TOOLS = ("tqdm", "matplotlib")  # benchmarks/compare.py (and its test in tests/)
+PEERS = ("bitsandbytes", "torchao")  # compared against by ``bench`` when the index offers them
 
 nox.options.sessions = ["tests", "tests_all", "typecheck", "lint"]
 nox.options.default_venv_backend = "venv"  # pip venvs: torch comes from the local CPU wheel
@@ -136,6 +138,7 @@ def tests_all(session: nox.Session, backend: str) -> None:
         if not _nccl_usable(session):
             session.skip("nccl: needs torch.distributed with NCCL and at least 2 CUDA devices")
     _install_from_dist(session, list(PACKAGES), torch=True)
+    session.install(*HARNESS_TOOLS)  # tests/test_benchmarks_harness.py runs benchmarks/compare.py
     paths = [str(path / "tests") for path in PACKAGES.values()] + [str(ROOT / "tests")]
     session.run(
         "python",
@@ -165,30 +168,32 @@ def lint(session: nox.Session) -> None:
 
 
 def _harness_install(session: nox.Session, *extra: str) -> None:
+    """The built wheels of every package (torch first), the harness tools and ``extra``."""
     _build_wheels(session)
     session.install(TORCH)
     names = [f"{name}=={_version(PACKAGES[name])}" for name in PACKAGES]
-    session.install("--find-links", str(DIST), *names, "tqdm", "matplotlib", *extra)
+    session.install("--find-links", str(DIST), *names, *HARNESS_TOOLS, *extra)
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The README's first command: the default comparison run."""
+    """The README's first command: the default comparison run (writes bench-out/)."""
     _harness_install(session)
     session.run("python", "benchmarks/compare.py", *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The longer comparison, with the 8-bit peers installed when the index offers them."""
+    """The longer comparison (LR sweep), with the 8-bit peers installed when the index offers
+    them, then the micro-benchmark. Arguments after ``--`` go to compare.py."""
     _harness_install(session)
-    for peer in ("bitsandbytes", "torchao"):
+    for peer in PEERS:
         try:
             session.install(peer)
         except Exception:  # a missing peer is reported by the harness, not fatal here
             session.warn(f"{peer} could not be installed; the harness will skip it")
     session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs)
-    session.run("python", "benchmarks/micro.py", *session.posargs)
+    session.run("python", "benchmarks/micro.py")
 
 
 @nox.session

@@ -1,13 +1,621 @@
-"""Comparison harness entry point (README's demo command)."""
+"""Compare Gefen with AdamW, Muon and 8-bit peers on a small byte-level transformer.
+
+Trains the pinned decoder-only transformer (tied embedding/head, LayerNorm, causal attention,
+MLP) on the Python standard library's own source files, read from the running interpreter, with
+one seed and one data order shared by every optimizer, and evaluates on a held-out slice. Each
+optimizer (and each learning rate of ``--lr-sweep``) runs in its own subprocess, so its peak RSS is
+its own. Writes ``OUT/results.json`` and ``OUT/report.png`` and prints a table and the
+60-quality.md targets (met / not met). Usage::
+
+    python benchmarks/compare.py                          # the default run (nox -s demo)
+    python benchmarks/compare.py --optimizers adamw,gefen --steps 150 --threads 1 --out DIR
+    python benchmarks/compare.py --lr-sweep --model-size large --steps 600
+"""
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import math
+import pathlib
+import statistics
+import subprocess
 import sys
+import sysconfig
+import tempfile
+import time
+from typing import Any
+
+import torch
+from harness import (
+    PEER_MODULES,
+    Unavailable,
+    build_optimizer,
+    environment,
+    peak_rss_mb,
+    peer_missing,
+    state_bytes,
+)
+from harness_config import (
+    CODEBOOK_SOLVE_SECONDS,
+    CORPUS_LIMIT_BYTES,
+    DEFAULT_BATCH,
+    DEFAULT_EVAL_BATCHES,
+    DEFAULT_LR,
+    DEFAULT_SEED,
+    DEFAULT_STEPS,
+    EVAL_POINTS,
+    FINAL_LR_FRACTION,
+    GEFEN_BYTES_PER_PARAM,
+    GEFEN_MUON_BYTES_PER_PARAM,
+    GEFEN_STEP_RATIO_GOAL,
+    GRAD_CLIP,
+    HELD_OUT_FRACTION,
+    LOSS_TOLERANCE,
+    MODEL_SIZES,
+    OPTIMIZERS,
+    SWEEP_MULTIPLIERS,
+    WARMUP_FRACTION,
+    WEIGHT_DECAY,
+    ModelSize,
+)
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+# -- data --------------------------------------------------------------------------------------
 
 
-def main() -> int:
-    print("the comparison harness is not built yet (see the comparison-harness issue)")
-    return 0
+def load_corpus(limit_bytes: int = CORPUS_LIMIT_BYTES) -> tuple[Tensor, dict[str, Any]]:
+    """The running interpreter's top-level standard-library ``*.py`` files, in sorted order,
+    concatenated up to ``limit_bytes``, as a uint8 tensor; plus a description for the JSON."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        chunks.append(path.read_bytes())
+        total += len(chunks[-1])
+        if total >= limit_bytes:
+            break
+    data = b"".join(chunks)[:limit_bytes]
+    if len(data) < 100_000:
+        raise RuntimeError(f"the standard library at {root} holds too little source text")
+    info = {
+        "source": str(root),
+        "files": len(chunks),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest()[:16],
+        "held_out_fraction": HELD_OUT_FRACTION,
+    }
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), info
+
+
+def batch_starts(length: int, count: int, batch: int, context: int, seed: int) -> Tensor:
+    """Start offsets, shape (count, batch): the data order every optimizer sees."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, length - context - 1, (count, batch), generator=generator)
+
+
+def gather(data: Tensor, starts: Tensor, context: int) -> Tensor:
+    offsets = starts[:, None] + torch.arange(context + 1)[None, :]
+    return data[offsets].long()
+
+
+# -- model -------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.heads = size.heads
+        self.norm1 = nn.LayerNorm(size.d_model)
+        self.qkv = nn.Linear(size.d_model, 3 * size.d_model)
+        self.proj = nn.Linear(size.d_model, size.d_model)
+        self.norm2 = nn.LayerNorm(size.d_model)
+        self.fc = nn.Linear(size.d_model, 4 * size.d_model)
+        self.fc_out = nn.Linear(4 * size.d_model, size.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        shape = (batch, length, self.heads, width // self.heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        out: Tensor = x + self.fc_out(F.gelu(self.fc(self.norm2(x))))
+        return out
+
+
+class Decoder(nn.Module):
+    """Byte-level decoder-only transformer with a head tied to the embedding."""
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.size = size
+        self.embed = nn.Embedding(size.vocab, size.d_model)
+        self.pos_embed = nn.Parameter(torch.zeros(size.context, size.d_model))
+        self.blocks = nn.ModuleList(Block(size) for _ in range(size.layers))
+        self.norm = nn.LayerNorm(size.d_model)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        nn.init.normal_(self.pos_embed, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.pos_embed[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits: Tensor = self.norm(x) @ self.embed.weight.T  # the tied head
+        return logits
+
+
+def lm_loss(model: nn.Module, tokens: Tensor, vocab: int) -> Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up, then cosine decay to FINAL_LR_FRACTION of the peak."""
+    warmup = max(1, round(WARMUP_FRACTION * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def timing_warmup(steps: int) -> int:
+    """Steps excluded from the step-time median (codebook learning, compilation, caches)."""
+    return 0 if steps < 2 else min(10, max(1, steps // 10))
+
+
+def eval_steps(steps: int) -> list[int]:
+    return sorted({max(1, round(steps * k / EVAL_POINTS)) for k in range(1, EVAL_POINTS + 1)})
+
+
+# -- one optimizer in one process --------------------------------------------------------------
+
+
+def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+    """Train the model with ``name`` at peak ``lr``; the worker subprocess's whole job."""
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    size = MODEL_SIZES[args.model_size]
+    data, _ = load_corpus()
+    split = int(len(data) * (1 - HELD_OUT_FRACTION))
+    train_data, held_out = data[:split], data[split:]
+    train_starts = batch_starts(len(train_data), args.steps, args.batch, size.context, args.seed)
+    eval_starts = batch_starts(
+        len(held_out), args.eval_batches, args.batch, size.context, args.seed + 1
+    )
+    torch.manual_seed(args.seed)
+    model = Decoder(size)
+    parameters = sum(p.numel() for p in model.parameters())
+    rss_before = peak_rss_mb()
+    try:
+        optimizer = build_optimizer(name, model, lr)
+    except Unavailable as error:
+        return {"optimizer": name, "skipped": str(error)}
+    except Exception as error:  # a peer that imports but cannot run here
+        if name in PEER_MODULES:
+            return {"optimizer": name, "skipped": f"not usable here: {error!r}"[:300]}
+        raise
+    groups = optimizer.param_groups
+    base_lrs = [float(group["lr"]) for group in groups]
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            losses = [
+                lm_loss(model, gather(held_out, row, size.context), size.vocab).item()
+                for row in eval_starts
+            ]
+        model.train()
+        return sum(losses) / len(losses)
+
+    checkpoints = set(eval_steps(args.steps))
+    step_seconds: list[float] = []
+    losses: list[float] = []
+    eval_curve: list[list[float]] = []
+    diverged = False
+    started = time.perf_counter()
+    progress = tqdm(
+        range(args.steps), desc=f"{name} lr={lr:.3g}", file=sys.stderr, mininterval=1.0, ncols=90
+    )
+    for step in progress:
+        factor = lr_factor(step, args.steps)
+        for group, base in zip(groups, base_lrs, strict=True):
+            if isinstance(group["lr"], Tensor):  # torchao keeps lr as a tensor
+                group["lr"].fill_(base * factor)
+            else:
+                group["lr"] = base * factor
+        loss = lm_loss(model, gather(train_data, train_starts[step], size.context), size.vocab)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        begin = time.perf_counter()
+        try:
+            optimizer.step()
+        except Exception as error:
+            if step == 0 and name in PEER_MODULES:
+                return {"optimizer": name, "skipped": f"not usable here: {error!r}"[:300]}
+            raise
+        step_seconds.append(time.perf_counter() - begin)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            diverged = True
+            break
+        if step + 1 in checkpoints:
+            eval_curve.append([step + 1, evaluate()])
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", eval=f"{eval_curve[-1][1]:.3f}")
+    progress.close()
+    wall = time.perf_counter() - started
+    timed = step_seconds[timing_warmup(len(step_seconds)) :] or step_seconds
+    tail = losses[-max(1, min(10, len(losses))) :]
+    return {
+        "optimizer": name,
+        "lr": lr,
+        "parameters": parameters,
+        "train_loss": sum(tail) / len(tail),
+        "eval_loss": eval_curve[-1][1] if eval_curve and not diverged else None,
+        "diverged": diverged,
+        "state_bytes": state_bytes(optimizer),
+        "state_bytes_per_param": state_bytes(optimizer) / parameters,
+        "step_ms_median": 1000 * statistics.median(timed),
+        "step_ms_min": 1000 * min(timed),
+        "step_ms_first": 1000 * step_seconds[0],
+        "timed_steps": len(timed),
+        "peak_rss_mb": peak_rss_mb(),
+        "rss_before_optimizer_mb": rss_before,
+        "wall_s": wall,
+        "loss_curve": losses,
+        "eval_curve": eval_curve,
+        "optimizer_class": type(optimizer).__name__,
+    }
+
+
+# -- the parent: run every optimizer, compare, report ------------------------------------------
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _clean(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(item) for item in value]
+    return value
+
+
+def run_worker(name: str, lr: float, args: argparse.Namespace, scratch: pathlib.Path) -> Any:
+    out = scratch / f"{name}-{lr:.6g}.json"
+    command = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--worker-lr",
+        repr(lr),
+        "--worker-out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--eval-batches",
+        str(args.eval_batches),
+        "--model-size",
+        args.model_size,
+        "--seed",
+        str(args.seed),
+        "--threads",
+        str(args.threads),
+    ]
+    completed = subprocess.run(command, check=False)
+    if completed.returncode != 0 or not out.exists():
+        return {"optimizer": name, "lr": lr, "failed": f"worker exited {completed.returncode}"}
+    return json.loads(out.read_text())
+
+
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    finite = [run for run in runs if run.get("eval_loss") is not None]
+    if not finite:
+        return runs[len(runs) // 2]
+    return min(finite, key=lambda run: float(run["eval_loss"]))
+
+
+def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """60-quality.md "Numbers to reach", each met (True), not met (False) or not measured."""
+    pinned = args.model_size == "default"
+    scope = "" if pinned else " (model is not the pinned default: indicative only)"
+    at = "each one's best LR of the sweep" if args.lr_sweep else "the default LRs (no sweep)"
+    rows: list[dict[str, Any]] = []
+
+    def add(what: str, target: str, value: float | None, met: bool | None, note: str) -> None:
+        rows.append({"what": what, "target": target, "value": value, "met": met, "note": note})
+
+    def get(name: str, key: str) -> float | None:
+        value = results.get(name, {}).get(key)
+        return None if value is None else float(value)
+
+    gefen_bpp = get("gefen", "state_bytes_per_param")
+    add(
+        "Gefen state bytes/param",
+        f"<= {GEFEN_BYTES_PER_PARAM}",
+        gefen_bpp,
+        None if gefen_bpp is None else gefen_bpp <= GEFEN_BYTES_PER_PARAM,
+        "target" + scope,
+    )
+    hybrid_bpp = get("gefen_muon_gefen", "state_bytes_per_param")
+    add(
+        "GefenMuonHybrid (Gefen backup) state bytes/param",
+        f"<= {GEFEN_MUON_BYTES_PER_PARAM}",
+        hybrid_bpp,
+        None if hybrid_bpp is None else hybrid_bpp <= GEFEN_MUON_BYTES_PER_PARAM,
+        "target" + scope,
+    )
+    for what, ours, reference in (
+        ("Gefen held-out loss vs AdamW", "gefen", "adamw"),
+        ("GefenMuonHybrid (Gefen backup) held-out loss vs torch Muon", "gefen_muon_gefen", "muon"),
+    ):
+        mine, theirs = get(ours, "eval_loss"), get(reference, "eval_loss")
+        gap = None if mine is None or theirs is None else mine / theirs - 1
+        add(
+            what,
+            f"within {LOSS_TOLERANCE:.0%} (relative gap <= {LOSS_TOLERANCE})",
+            gap,
+            None if gap is None else gap <= LOSS_TOLERANCE,
+            f"target, at {at}",
+        )
+    ratio = get("gefen", "step_time_ratio_vs_adamw")
+    add(
+        "Gefen step time vs fused AdamW",
+        f"<= {GEFEN_STEP_RATIO_GOAL}x",
+        ratio,
+        None if ratio is None else ratio <= GEFEN_STEP_RATIO_GOAL,
+        "goal (not an acceptance target)",
+    )
+    gefen_ms = get("gefen", "step_ms_median")
+    for peer in ("bnb_adamw8bit", "torchao_adamw8bit"):
+        peer_ms = get(peer, "step_ms_median")
+        add(
+            f"Gefen step time vs {peer}",
+            "faster",
+            None if gefen_ms is None or peer_ms is None else gefen_ms / peer_ms,
+            None if gefen_ms is None or peer_ms is None else gefen_ms < peer_ms,
+            "goal; value is the ratio Gefen/peer",
+        )
+    add(
+        "codebook solve on 4096 active bins",
+        f"<= {CODEBOOK_SOLVE_SECONDS} s",
+        None,
+        None,
+        "reported by benchmarks/micro.py",
+    )
+    return rows
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict[str, Any]], goals: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'optimizer':<19}{'lr':>8}{'train':>8}{'held-out':>10}{'B/param':>9}"
+        f"{'step ms':>10}{'x AdamW':>9}{'peak RSS MB':>13}"
+    )
+    print()
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['optimizer']:<19}{_fmt(row.get('lr'), '.3g'):>8}"
+            f"{_fmt(row.get('train_loss'), '.3f'):>8}{_fmt(row.get('eval_loss'), '.3f'):>10}"
+            f"{_fmt(row.get('state_bytes_per_param'), '.3f'):>9}"
+            f"{_fmt(row.get('step_ms_median'), '.1f'):>10}"
+            f"{_fmt(row.get('step_time_ratio_vs_adamw'), '.2f'):>9}"
+            f"{_fmt(row.get('peak_rss_mb'), '.0f'):>13}"
+        )
+    print()
+    print("60-quality.md targets and goals:")
+    for goal in goals:
+        verdict = {True: "met", False: "NOT MET", None: "not measured"}[goal["met"]]
+        value = _fmt(goal["value"], ".4g")
+        print(f"  [{verdict:^12}] {goal['what']}: {value} (need {goal['target']}; {goal['note']})")
+
+
+def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, costs) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for index, row in enumerate(rows):
+        color = f"C{index}"
+        losses = row.get("loss_curve") or []
+        smooth, level = [], losses[0] if losses else 0.0
+        for value in losses:
+            level = 0.9 * level + 0.1 * value
+            smooth.append(level)
+        curves.plot(range(1, len(smooth) + 1), smooth, color=color, lw=1.2, label=row["optimizer"])
+        points = row.get("eval_curve") or []
+        if points:
+            curves.plot(*zip(*points, strict=True), "o--", color=color, ms=3, lw=0.8)
+        if row.get("step_ms_median") is not None:
+            costs.scatter(row["step_ms_median"], row["state_bytes_per_param"], color=color)
+            costs.annotate(
+                row["optimizer"],
+                (row["step_ms_median"], row["state_bytes_per_param"]),
+                textcoords="offset points",
+                xytext=(4, 3 + 7 * (index % 3)),  # staggered: clustered points stay legible
+                fontsize=7,
+            )
+    curves.set_xlabel("step")
+    curves.set_ylabel("loss (nats/byte): train EMA, held-out o")
+    curves.set_ylim(top=min(6.0, curves.get_ylim()[1]))
+    if rows:
+        curves.legend(fontsize=7)
+    curves.grid(alpha=0.3)
+    costs.axhline(GEFEN_BYTES_PER_PARAM, color="grey", ls=":", lw=0.8)
+    costs.set_xscale("log")
+    costs.set_xlabel("median optimizer.step() ms (log)")
+    costs.set_ylabel("optimizer state bytes / param")
+    costs.grid(alpha=0.3)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def selected(spec: str) -> list[str]:
+    if spec == "all":
+        return list(OPTIMIZERS)
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in OPTIMIZERS]
+    if unknown:
+        raise SystemExit(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
+    return names
+
+
+def parent(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+        import tqdm  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(f"compare.py needs tqdm and matplotlib: {error}") from error
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size = MODEL_SIZES[args.model_size]
+    _, corpus = load_corpus()
+    names, skipped = [], []
+    for name in selected(args.optimizers):
+        reason = peer_missing(name)
+        if reason is None:
+            names.append(name)
+        else:
+            print(f"note: skipping {name}: {reason}")
+            skipped.append({"optimizer": name, "reason": reason})
+    multipliers = SWEEP_MULTIPLIERS if args.lr_sweep else (1.0,)
+    started = time.perf_counter()
+    best: dict[str, dict[str, Any]] = {}
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="gefen-compare-") as scratch:
+        for name in names:
+            runs = []
+            for multiplier in multipliers:
+                run = run_worker(name, DEFAULT_LR[name] * multiplier, args, pathlib.Path(scratch))
+                runs.append(run)
+                if "skipped" in run or "failed" in run:
+                    break
+            if "skipped" in runs[-1]:
+                print(f"note: skipping {name}: {runs[-1]['skipped']}")
+                skipped.append({"optimizer": name, "reason": runs[-1]["skipped"]})
+                continue
+            if "failed" in runs[-1]:
+                print(f"error: {name} failed: {runs[-1]['failed']}", file=sys.stderr)
+                skipped.append({"optimizer": name, "reason": runs[-1]["failed"]})
+                failed = True
+                continue
+            chosen = dict(_best(runs))
+            chosen["sweep"] = [
+                {key: run.get(key) for key in ("lr", "train_loss", "eval_loss", "step_ms_median")}
+                for run in runs
+            ]
+            best[name] = chosen
+    adamw_ms = best.get("adamw", {}).get("step_ms_median")
+    for row in best.values():
+        row["step_time_ratio_vs_adamw"] = (
+            None if adamw_ms is None else row["step_ms_median"] / adamw_ms
+        )
+    rows = [best[name] for name in names if name in best]
+    goals = targets(best, args)
+    print_table(rows, goals)
+    env = environment(args.threads)
+    config = {
+        "steps": args.steps,
+        "batch": args.batch,
+        "eval_batches": args.eval_batches,
+        "model_size": args.model_size,
+        "model": {
+            "d_model": size.d_model,
+            "layers": size.layers,
+            "heads": size.heads,
+            "context": size.context,
+            "vocab": size.vocab,
+            "parameters": rows[0]["parameters"] if rows else None,
+            "tied_head": True,
+        },
+        "seed": args.seed,
+        "threads": args.threads,
+        "lr_sweep": args.lr_sweep,
+        "lr_multipliers": list(multipliers),
+        "default_lr": {name: DEFAULT_LR[name] for name in OPTIMIZERS},
+        "weight_decay": WEIGHT_DECAY,
+        "grad_clip": GRAD_CLIP,
+        "schedule": f"linear warm-up {WARMUP_FRACTION:.0%}, cosine to {FINAL_LR_FRACTION:.0%}",
+        "timing": "median optimizer.step() after the first timing_warmup steps "
+        f"({timing_warmup(args.steps)} here)",
+        "train_loss": "mean of the last 10 training batches",
+        "eval_loss": "mean over the held-out batches after the last step",
+        "corpus": corpus,
+        "wall_s": time.perf_counter() - started,
+    }
+    document = {
+        "environment": env,
+        "config": config,
+        "results": rows,
+        "skipped": skipped,
+        "targets": goals,
+    }
+    (out / "results.json").write_text(json.dumps(_clean(document), indent=1) + "\n")
+    parameters = rows[0]["parameters"] if rows else None
+    title = (
+        f"{args.model_size} model ({parameters} params), {args.steps} steps, batch {args.batch}, "
+        f"{args.threads} thread(s); {env['date_utc'][:10]}, {env['cpu']}"
+    )
+    plot(rows, out / "report.png", title)
+    print(f"\nwrote {out / 'results.json'} and {out / 'report.png'}")
+    return 1 if failed or not rows else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--optimizers",
+        default="all",
+        help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: all available)",
+    )
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="default")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH)
+    parser.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES)
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads"
+    )
+    parser.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    parser.add_argument(
+        "--lr-sweep",
+        action="store_true",
+        help=f"run each optimizer at {SWEEP_MULTIPLIERS} x its default lr and keep the best",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-lr", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.eval_batches < 1 or args.threads < 1:
+        parser.error("--steps, --batch, --eval-batches and --threads must be positive")
+    if args.worker:
+        result = train_one(args.worker, args.worker_lr, args)
+        pathlib.Path(args.worker_out).write_text(json.dumps(_clean(result)))
+        return 0
+    return parent(args)
 
 
 if __name__ == "__main__":

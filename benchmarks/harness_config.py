@@ -1,0 +1,80 @@
+"""The comparison harness's configuration: the one table of default learning rates, the model
+sizes, the shared training recipe and the targets of 60-quality.md.
+
+The README lists ``DEFAULT_LR`` next to the results; ``compare.py --lr-sweep`` multiplies each
+entry by ``SWEEP_MULTIPLIERS`` and keeps each optimizer's best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Every optimizer the harness knows, in table order. Peers (bitsandbytes, torchao) run only when
+# importable and usable on the device; the others always run.
+OPTIMIZERS: tuple[str, ...] = (
+    "adamw",
+    "gefen",
+    "muon",
+    "gefen_muon_gefen",
+    "gefen_muon_adamw",
+    "bnb_adamw8bit",
+    "torchao_adamw8bit",
+    "torchao_adamw4bit",
+)
+
+# The one table of default learning rates (peak of the schedule below), chosen from a
+# ``--lr-sweep`` of the default run (2026-11-30). The Muon-family entries use
+# ``adjust_lr_fn="match_rms_adamw"``, so their learning rate is on the AdamW scale and is shared by
+# the Muon matrices and the AdamW/Gefen backup.
+DEFAULT_LR: dict[str, float] = {
+    "adamw": 7.5e-4,
+    "gefen": 7.5e-4,
+    "muon": 1.2e-2,
+    "gefen_muon_gefen": 1.2e-2,
+    "gefen_muon_adamw": 1.2e-2,
+    "bnb_adamw8bit": 7.5e-4,
+    "torchao_adamw8bit": 7.5e-4,
+    "torchao_adamw4bit": 7.5e-4,
+}
+
+SWEEP_MULTIPLIERS: tuple[float, ...] = (0.5, 1.0, 2.0)
+
+# Shared recipe: every optimizer gets the same betas, weight decay, clipping and schedule.
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.999)
+GRAD_CLIP = 1.0
+WARMUP_FRACTION = 0.1  # linear warm-up over the first 10% of steps
+FINAL_LR_FRACTION = 0.1  # cosine decay to 10% of the peak
+EVAL_POINTS = 4  # held-out evaluations during training (the last one is the final eval)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    d_model: int
+    layers: int
+    heads: int
+    context: int
+    vocab: int = 256  # bytes
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(d_model=64, layers=2, heads=4, context=64),
+    # Pinned by 60-quality.md: the bytes/param targets refer to this model (1,853,568 params).
+    "default": ModelSize(d_model=192, layers=4, heads=4, context=128),
+    "large": ModelSize(d_model=384, layers=6, heads=6, context=256),
+}
+
+# Defaults of the command line: the default run (5 optimizers) takes a few minutes on 2 cores.
+DEFAULT_STEPS = 150
+DEFAULT_BATCH = 8
+DEFAULT_EVAL_BATCHES = 16
+DEFAULT_SEED = 0
+CORPUS_LIMIT_BYTES = 4_000_000
+HELD_OUT_FRACTION = 0.1
+
+# 60-quality.md "Numbers to reach" (bytes/param and loss are targets; step time is a goal).
+GEFEN_BYTES_PER_PARAM = 1.05
+GEFEN_MUON_BYTES_PER_PARAM = 1.10
+LOSS_TOLERANCE = 0.02
+GEFEN_STEP_RATIO_GOAL = 2.0
+CODEBOOK_SOLVE_SECONDS = 1.0
