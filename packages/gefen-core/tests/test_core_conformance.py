@@ -325,3 +325,43 @@ def test_copies_carry_no_instance_step_and_hooks_fire_once(copier: str, which: s
     assert clone.global_step == 2
     assert torch.equal(a, before)
     assert not torch.equal(clone_param, clone_before)
+
+
+def test_step_hooks_see_the_call_as_made() -> None:
+    """torch's step wrapper passes (args, kwargs) as called; the shell does the same."""
+    import inspect
+
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    optimizer = Gefen([weight], lr=0.1)
+    calls: list[tuple[int, tuple[str, ...]]] = []
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: calls.append((len(args), tuple(kwargs)))
+    )
+    optimizer.register_step_post_hook(
+        lambda opt, args, kwargs: calls.append((len(args), tuple(kwargs)))
+    )
+    weight.grad = torch.randn(4, 6)
+    assert optimizer.step(closure=lambda: 2.0) == 2.0
+    weight.grad = torch.randn(4, 6)
+    assert optimizer.step(lambda: 3.0) == 3.0
+    weight.grad = torch.randn(4, 6)
+    assert optimizer.step() is None
+    assert calls == [(1, ("closure",)), (1, ("closure",)), (2, ()), (2, ()), (1, ()), (1, ())]
+    assert str(inspect.signature(Gefen.step)) == "(self, closure=None)"
+
+
+def test_step_rejects_a_call_torch_would_reject_before_anything_runs() -> None:
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    optimizer = Gefen([weight], lr=0.1)
+    weight.grad = torch.randn(4, 6)
+    fired: list[int] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: fired.append(1))
+    before = weight.detach().clone()
+    for args, kwargs in (((None, None), {}), ((), {"closure": None, "other": 1})):
+        with pytest.raises(TypeError):
+            optimizer.step(*args, **kwargs)
+    assert fired == []
+    assert torch.equal(weight.detach(), before)
+    assert optimizer.global_step == 0
+    optimizer.step()
+    assert optimizer.global_step == 1

@@ -10,7 +10,7 @@ composite drives the public members ``step_failure_scope``, ``validate_step_inpu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +31,13 @@ from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide
 from gefen.core.state import CodecKeys, EntrySpec, entry_matches, is_initialized
-from gefen.core.transaction import HOOK_DICTS, HookedStepState, run_load, run_step
+from gefen.core.transaction import (
+    HOOK_DICTS,
+    STEP_SIGNATURE,
+    HookedStepState,
+    run_load,
+    run_step,
+)
 from gefen.core.validation import (
     SUPPORTED_DTYPES,
     check_finite_gradients,
@@ -387,9 +393,11 @@ class OptimizerShell(HookedStepState, Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         return amp_scaling_supported(self.param_groups, self.step_failure_scope())
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # step(closure=None)
         """One transactional step (§7.1); returns the closure's loss or None."""
-        return run_step(self, closure)
+        return run_step(self, args, kwargs)
+
+    step.__signature__ = STEP_SIGNATURE  # type: ignore[attr-defined]
 
     # -- codebook learning and refresh (§5.5, §5.6; scoped: 50-dist.md §9.3–§9.5) ------------
 

@@ -11,6 +11,7 @@ templates never touch a private flag of anything else.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from itertools import chain
@@ -28,6 +29,7 @@ from gefen.dist import (
 
 __all__ = [
     "HOOK_DICTS",
+    "STEP_SIGNATURE",
     "HookedStepState",
     "LoadParticipant",
     "PreparedLoadLike",
@@ -165,11 +167,25 @@ def _drop_amp_controls(optimizer: object) -> None:
             delattr(optimizer, name)
 
 
-def run_step(optimizer: StepParticipant, closure: Callable[[], Any] | None) -> Any:
-    """One transactional step; returns the closure's loss or None."""
+STEP_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("closure", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+)
+"""What ``step(*args, **kwargs)`` accepts: ``step(closure=None)``, as ``torch.optim``."""
+
+
+def run_step(
+    optimizer: StepParticipant, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]
+) -> Any:
+    """One transactional step for ``optimizer.step(*call_args, **call_kwargs)``; returns the
+    closure's loss or None. The hooks see the call as made (``args[0]`` is the optimizer), as
+    torch's step wrapper would pass it."""
+    STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
     op = optimizer._operation()
-    args: tuple[Any, ...] = (optimizer,) if closure is None else (optimizer, closure)
-    kwargs: dict[str, Any] = {}
+    args: tuple[Any, ...] = (optimizer, *call_args)
+    kwargs: dict[str, Any] = dict(call_kwargs)
     loss, args, kwargs, payload = op.local(
         PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs
     )

@@ -9,7 +9,7 @@ scope, one AMP decision, then each child's prepared phases 4–5.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -19,7 +19,13 @@ from torch import Tensor, nn
 from gefen.contracts import OptimizerContract, ShardingManifest
 from gefen.core import Gefen, ParameterRebinding
 from gefen.core.shell import OptimizerShell, amp_scaling_supported
-from gefen.core.transaction import HOOK_DICTS, HookedStepState, run_load, run_step
+from gefen.core.transaction import (
+    HOOK_DICTS,
+    STEP_SIGNATURE,
+    HookedStepState,
+    run_load,
+    run_step,
+)
 from gefen.core.validation import check_finite_gradients, local_tensor, validate_gradient_structure
 from gefen.dist import (
     Channel,
@@ -297,12 +303,14 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             self._commit_failed = True
             raise
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # step(closure=None)
         """One transactional step over both children; returns the closure's loss or None."""
         params = [local_tensor(p) for group in self.param_groups for p in group["params"]]
         if cuda_graph_capturing(params):
             raise RuntimeError("GefenMuonHybrid does not support CUDA graph capture")
-        return run_step(self, closure)
+        return run_step(self, args, kwargs)
+
+    step.__signature__ = STEP_SIGNATURE  # type: ignore[attr-defined]
 
     # -- checkpoints (§8) ---------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ state codec, the per-mode update and the distributed consolidation of checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,6 +20,7 @@ from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide, lr_value
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
+from gefen.core.transaction import STEP_SIGNATURE, run_step
 from gefen.core.validation import local_tensor
 from gefen.dist import GuardedOperation, cuda_graph_capturing
 from gefen.muon.kernels import STANDARD_TRIPLE, adjust_lr_ratio, local_slice_of_full
@@ -347,12 +348,14 @@ class GefenMuon(OptimizerShell):
         """The collective presence/order preflight of §7 (no collective when unsharded)."""
         check_presence_and_order(self.param_groups, owner=self.OWNER_NAME)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # step(closure=None)
         """One transactional step (10-core.md §7.1); returns the closure's loss or None."""
         params = [local_tensor(p) for group in self.param_groups for p in group["params"]]
         if cuda_graph_capturing(params):
             raise RuntimeError("GefenMuon does not support CUDA graph capture")
-        return super().step(closure)
+        return run_step(self, args, kwargs)
+
+    step.__signature__ = STEP_SIGNATURE  # type: ignore[attr-defined]
 
     def refresh_codebook(self) -> bool:
         """Periodic refresh is out of scope for GefenMuon (20-muon.md §1)."""
