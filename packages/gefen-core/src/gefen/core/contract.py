@@ -31,13 +31,20 @@ from gefen.contracts import (
 if TYPE_CHECKING:
     from gefen.core.shell import OptimizerShell
 
-__all__ = ["api_flags", "finalized_training", "gefen_contract"]
+__all__ = [
+    "api_flags",
+    "extras_field",
+    "finalized_training",
+    "gefen_contract",
+    "parameter_field",
+]
 
 _REPLICATED = ParameterLayout.REPLICATED
 _SHARD = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
 
 
-def _parameter_field(name: str, geometry: StateGeometry, description: str) -> StateField:
+def parameter_field(name: str, geometry: StateGeometry, description: str) -> StateField:
+    """A checkpointed per-parameter state field."""
     return StateField(
         name=name,
         scope=StateScope.PARAMETER,
@@ -47,25 +54,29 @@ def _parameter_field(name: str, geometry: StateGeometry, description: str) -> St
     )
 
 
-def _fields() -> tuple[StateField, ...]:
-    common = StateField(
+def extras_field(description: str) -> StateField:
+    """The one checkpointed ``OPTIMIZER_COMMON`` field ``gefen`` (the extras of §8.1)."""
+    return StateField(
         name="gefen",
         scope=StateScope.OPTIMIZER_COMMON,
         geometry=StateGeometry.OPAQUE,
         checkpointed=True,
-        description="the extras: format, global step, codebook, flags, initialized positions",
+        description=description,
     )
+
+
+def _fields() -> tuple[StateField, ...]:
     return (
-        common,
-        _parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
-        _parameter_field("step", StateGeometry.SCALAR, "momentum age"),
-        _parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
-        _parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
-        _parameter_field("momentum", StateGeometry.BLOCK, "fp32 momentum (B, P), codec none"),
-        _parameter_field("v_block", StateGeometry.BLOCK, "fp32 block second moment (B, 1)"),
-        _parameter_field("v_row", StateGeometry.ROW, "fp32 row second moment (R,)"),
-        _parameter_field("v_col", StateGeometry.COLUMN, "fp32 column second moment (C,)"),
-        _parameter_field("v_step", StateGeometry.SCALAR, "age of the second-moment family"),
+        extras_field("the extras: format, global step, codebook, flags, initialized positions"),
+        parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
+        parameter_field("step", StateGeometry.SCALAR, "momentum age"),
+        parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
+        parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
+        parameter_field("momentum", StateGeometry.BLOCK, "fp32 momentum (B, P), codec none"),
+        parameter_field("v_block", StateGeometry.BLOCK, "fp32 block second moment (B, 1)"),
+        parameter_field("v_row", StateGeometry.ROW, "fp32 row second moment (R,)"),
+        parameter_field("v_col", StateGeometry.COLUMN, "fp32 column second moment (C,)"),
+        parameter_field("v_step", StateGeometry.SCALAR, "age of the second-moment family"),
     )
 
 

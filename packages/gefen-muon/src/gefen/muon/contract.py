@@ -22,12 +22,11 @@ from gefen.contracts import (
     StateExtent,
     StateField,
     StateGeometry,
-    StateScope,
     StateVariant,
     TopologyChange,
     TrainingSupport,
 )
-from gefen.core.contract import api_flags, finalized_training
+from gefen.core.contract import api_flags, extras_field, finalized_training, parameter_field
 
 if TYPE_CHECKING:
     from gefen.muon.optimizer import GefenMuon
@@ -39,32 +38,16 @@ _SHARD = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
 _NORMUON = ("normuon_v", "normuon_step")
 
 
-def _parameter_field(name: str, geometry: StateGeometry, description: str) -> StateField:
-    return StateField(
-        name=name,
-        scope=StateScope.PARAMETER,
-        geometry=geometry,
-        checkpointed=True,
-        description=description,
-    )
-
-
 def _fields() -> tuple[StateField, ...]:
     return (
-        StateField(
-            name="gefen",
-            scope=StateScope.OPTIMIZER_COMMON,
-            geometry=StateGeometry.OPAQUE,
-            checkpointed=True,
-            description="the extras: format, global step, codebook, flags, manifest",
-        ),
-        _parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
-        _parameter_field("step", StateGeometry.SCALAR, "updates applied to this matrix"),
-        _parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
-        _parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
-        _parameter_field("momentum_buffer", StateGeometry.PARAMETER, "momentum, codec none"),
-        _parameter_field("normuon_v", StateGeometry.ROW, "fp32 NorMuon row statistics (R, 1)"),
-        _parameter_field("normuon_step", StateGeometry.SCALAR, "NorMuon bias-correction age"),
+        extras_field("the extras: format, global step, codebook, flags, manifest"),
+        parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
+        parameter_field("step", StateGeometry.SCALAR, "updates applied to this matrix"),
+        parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
+        parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
+        parameter_field("momentum_buffer", StateGeometry.PARAMETER, "momentum, codec none"),
+        parameter_field("normuon_v", StateGeometry.ROW, "fp32 NorMuon row statistics (R, 1)"),
+        parameter_field("normuon_step", StateGeometry.SCALAR, "NorMuon bias-correction age"),
     )
 
 
