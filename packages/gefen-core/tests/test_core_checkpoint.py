@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import copy
-import io
 import warnings
 
 import pytest
 import torch
 
 from gefen.core import Gefen
+from gefen.core.testing import weights_only_round_trip as _roundtrip
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -33,13 +33,6 @@ def _trained(steps: int = 3, **options) -> tuple[Gefen, list[torch.nn.Parameter]
         _grads(params, seed)
         optimizer.step()
     return optimizer, params
-
-
-def _roundtrip(sd):
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:

@@ -12,8 +12,6 @@ elsewhere.
 from __future__ import annotations
 
 import copy
-import io
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,23 +21,31 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import (
-    LogicalRegion,
     LogicalSlice,
     ParameterIdentity,
     ParameterLayout,
-    PlacementKind,
     ProcessGroupIdentity,
     ProcessGroupScope,
     ShardIdentity,
     ShardingManifest,
-    ShardPlacement,
     TrainingSupport,
 )
 from gefen.core import Gefen, ParameterRebinding
 from gefen.core.kernels import histogram, select_period, solve_codebook
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import (
+    dtensor_replicate_shard,
+    fill_grads,
+    flattened_shard,
+    rejects,
+    replicated_shard,
+    solo_binding,
+    whole_owner_shard,
+)
+from gefen.core.testing import finalized_snapshot as snapshot
+from gefen.core.testing import takes_a_step as trains
+from gefen.core.testing import weights_only_round_trip as _roundtrip
 from gefen.dist import BindingError, CheckpointProcessGroupBinding, CodebookProcessGroupBinding
-from gefen.dist.testing import assert_unchanged, deep_snapshot
+from gefen.dist.testing import assert_unchanged
 
 SOLO = ProcessGroupIdentity("solo", ("rank:0",))
 OTHER = ProcessGroupIdentity("other", ("rank:0",))
@@ -55,7 +61,6 @@ SHAPES: dict[str, tuple[int, ...]] = {
 # Group 0 holds layer.weight then head.weight, group 1 holds layer.bias (another lr).
 GROUPS = (("layer.weight", "head.weight"), ("layer.bias",))
 ORDER = tuple(fqn for group in GROUPS for fqn in group)
-ATTRIBUTES = (*SNAPSHOT_ATTRIBUTES, "_finalized", "_binding")
 PRISTINE = "post_sharding requires a pristine optimizer"
 LAYOUT = "parameter layout changed after post_sharding"
 SCOPE = "codebook scope"
@@ -75,66 +80,23 @@ def _numel(fqn: str) -> int:
 def replicated(
     fqn: str, group: ProcessGroupIdentity | None = None, member: str = ME
 ) -> ShardIdentity:
-    extent = LogicalSlice(0, _numel(fqn))
-    if group is None:
-        return ShardIdentity(_pid(fqn), ParameterLayout.REPLICATED, extent)
-    placement = ShardPlacement(
-        group.semantic_name, PlacementKind.REPLICATE, group.coordinate(member), group.size
-    )
-    return ShardIdentity(_pid(fqn), ParameterLayout.REPLICATED, extent, (placement,), group, member)
+    return replicated_shard(_pid(fqn), group, member)
 
 
 def flattened(
     fqn: str, offset: int, length: int, group: ProcessGroupIdentity = SOLO, member: str = ME
 ) -> ShardIdentity:
-    placement = ShardPlacement(
-        group.semantic_name, PlacementKind.FLAT_SHARD, group.coordinate(member), group.size
-    )
-    return ShardIdentity(
-        _pid(fqn),
-        ParameterLayout.FLATTENED_ELEMENT_SHARD,
-        LogicalSlice(offset, length),
-        (placement,),
-        group,
-        member,
-    )
+    return flattened_shard(_pid(fqn), group, member, offset, length)
 
 
 def whole_owner(
     fqn: str, group: ProcessGroupIdentity = SOLO, member: str = ME, owner: str = ME
 ) -> ShardIdentity:
-    placement = ShardPlacement(
-        group.semantic_name,
-        PlacementKind.WHOLE_PARAMETER_OWNER,
-        group.coordinate(member),
-        group.size,
-    )
-    extent = LogicalSlice(0, _numel(fqn)) if member == owner else LogicalSlice(0, 0)
-    return ShardIdentity(
-        _pid(fqn),
-        ParameterLayout.WHOLE_PARAMETER_OWNER,
-        extent,
-        (placement,),
-        group,
-        member,
-        owner=owner,
-    )
+    return whole_owner_shard(_pid(fqn), group, member, owner)
 
 
 def dtensor_replicate(fqn: str, group: ProcessGroupIdentity = SOLO) -> ShardIdentity:
-    placement = ShardPlacement(group.semantic_name, PlacementKind.REPLICATE, 0, group.size)
-    return ShardIdentity(
-        _pid(fqn),
-        ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
-        LogicalRegion.full(_pid(fqn)),
-        (placement,),
-        group,
-        ME,
-    )
-
-
-def solo_binding(identity: ProcessGroupIdentity = SOLO) -> CodebookProcessGroupBinding:
-    return CodebookProcessGroupBinding(identity, ME, None, "cpu")
+    return dtensor_replicate_shard(_pid(fqn), group)
 
 
 # -- the optimizer under test -------------------------------------------------------------------
@@ -207,47 +169,6 @@ def make(
         targets[fqn] = torch.nn.Parameter(olds[fqn].detach().reshape(-1).clone())
     binding = solo_binding(identity) if mode in ("solo", "flat") else None
     return Setup(mode, opt, olds, targets, shards, binding)
-
-
-def snapshot(opt: Any) -> Any:
-    return deep_snapshot(opt, attributes=ATTRIBUTES)
-
-
-def fill_grads(params: list[Tensor], seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
-
-
-def trains(opt: Gefen, params: list[Tensor] | None = None, seed: int = 7) -> None:
-    """One more step moves every live parameter and counts."""
-    live = [p for g in opt.param_groups for p in g["params"]] if params is None else params
-    fill_grads(live, seed)
-    before = [p.detach().clone() for p in live]
-    step = opt.global_step
-    opt.step()
-    assert opt.global_step == step + 1
-    assert opt.codebook is not None
-    for b, p in zip(before, live, strict=True):
-        assert not torch.equal(b, p)
-    opt.zero_grad(set_to_none=True)
-
-
-def rejects(
-    opt: Any, action: Callable[[], Any], error: type[BaseException], fragment: str
-) -> pytest.ExceptionInfo[Any]:
-    before = snapshot(opt)
-    with pytest.raises(error, match=re.escape(fragment)) as info:
-        action()
-    assert_unchanged(before, snapshot(opt))
-    return info
-
-
-def _roundtrip(sd: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 # -- argument types ------------------------------------------------------------------------------
@@ -711,7 +632,7 @@ def test_validation_order_binding_checks_run_last() -> None:
     after every ValueError rule passed; nothing changes."""
     setup = make("ungrouped")
     opt = setup.opt
-    binding = solo_binding()
+    binding = solo_binding(SOLO)
     rejects(
         opt,
         lambda: opt.post_sharding(

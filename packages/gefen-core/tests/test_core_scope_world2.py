@@ -27,7 +27,10 @@ from typing import Any
 import pytest
 import torch
 
-from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+from gefen.core.testing import attempt, snapshot_changes
+from gefen.core.testing import finalized_snapshot as _snapshot
+from gefen.core.testing import oracle_codebook as _oracle
+from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
@@ -53,18 +56,6 @@ CHECKPOINT_BINDING = (
 def _grad(seed: int) -> torch.Tensor:
     """A full (8, 6) gradient, a pure function of ``seed``."""
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def _oracle(slices: list[torch.Tensor]) -> list[float]:
-    """One process: a histogram over ``slices`` (each its own period), then the solve."""
-    from gefen.core.kernels import BIN_COUNT, histogram, select_period, solve_codebook
-
-    counts = torch.zeros(BIN_COUNT, dtype=torch.int64)
-    for piece in slices:
-        period = select_period(piece, tuple(piece.shape), force_one=False)
-        assert period is not None
-        counts += histogram(piece, period)
-    return solve_codebook(counts).tolist()
 
 
 def _dyadic_grids() -> tuple[list[float], list[float]]:
@@ -209,48 +200,16 @@ class Scoped:
         return None if codebook is None else codebook.tolist()
 
 
-def _snapshot(optimizer: Any) -> Any:
-    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
-    from gefen.dist.testing import deep_snapshot
-
-    return deep_snapshot(optimizer, attributes=(*SNAPSHOT_ATTRIBUTES, "_binding", "_finalized"))
-
-
-def _changes(optimizer: Any, before: Any) -> list[str]:
-    from gefen.dist.testing import snapshot_diff
-
-    return snapshot_diff(before, _snapshot(optimizer))
-
-
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run a (failing) operation under ``timed``; describe the error and its cause."""
-    caught: list[BaseException] = []
-
-    def run() -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            caught.append(exc)
-            raise
-
-    elapsed, text, value = timed(run)
-    error = caught[0] if caught else None
-    cause = None if error is None else error.__cause__
-    return {
-        "elapsed": elapsed,
-        "error": text,
-        "value": value,
-        "cause": None if cause is None else f"{type(cause).__name__}: {cause}",
-        "phase": getattr(error, "phase", None),
-        "local_failure": getattr(error, "local_failure", None),
-    }
+    return attempt(fn, attributes=("phase", "local_failure"))
 
 
 def _rejected(optimizer: Any, fn: Callable[[], Any]) -> dict[str, Any]:
     """Snapshot, attempt ``fn`` (timed), and list what changed."""
     before = _snapshot(optimizer)
     result = _attempt(fn)
-    result["changes"] = _changes(optimizer, before)
+    result["changes"] = snapshot_changes(optimizer, before)
     return result
 
 
@@ -374,7 +333,7 @@ def scenario_binding_swap(rank: int, world_size: int, cls: str, how: str) -> dic
         _restore_headers()
     result["swapped_left"] = scoped.opt._binding is not original
     scoped.opt._binding = original
-    result["changes"] = _changes(scoped.opt, before)
+    result["changes"] = snapshot_changes(scoped.opt, before)
     result["headers"] = list(headers)
     result["after"] = _steps(scoped)
     return result

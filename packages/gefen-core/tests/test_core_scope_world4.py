@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from gefen.core.testing import finalized_snapshot as _snapshot
+from gefen.core.testing import oracle_codebook as _oracle
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
@@ -33,18 +35,6 @@ NAN = "parameter 'w' has a non-finite gradient (NaN or Inf)"
 
 def _grad(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def _oracle(pieces: list[torch.Tensor]) -> list[float]:
-    """One process: each slice's own automatic period, the summed histogram, the solve."""
-    from gefen.core.kernels import BIN_COUNT, histogram, select_period, solve_codebook
-
-    counts = torch.zeros(BIN_COUNT, dtype=torch.int64)
-    for piece in pieces:
-        period = select_period(piece, tuple(piece.shape), force_one=False)
-        assert period is not None
-        counts += histogram(piece, period)
-    return solve_codebook(counts).tolist()
 
 
 def _slice(layout: str, coordinate: int, full: torch.Tensor) -> torch.Tensor:
@@ -120,13 +110,6 @@ class Member:
     def set_grad(self, seed: int | None = None) -> None:
         full = _grad(self.seed if seed is None else seed)
         self.target.grad = _slice(self.layout, self.coordinate, full)
-
-
-def _snapshot(optimizer: Any) -> Any:
-    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
-    from gefen.dist.testing import deep_snapshot
-
-    return deep_snapshot(optimizer, attributes=(*SNAPSHOT_ATTRIBUTES, "_binding", "_finalized"))
 
 
 def scenario_isolated(rank: int, world_size: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from gefen.core.testing import SNAPSHOT_ATTRIBUTES
 from gefen.dist import DistributedStepError
 from gefen.dist.testing import deep_snapshot, snapshot_diff
 from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.testing import MUON_NAMES, TinyLM
 from gefen.muon import GefenMuon
 
 BACKENDS = ["gefen", "adamw"]
@@ -34,19 +35,6 @@ SCHEMA = (
     "checkpoints) are not supported"
 )
 LATCHED = "previous step failed during commit"
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 16, width: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.hidden = nn.Linear(width, width)
-        self.proj = nn.Linear(width, width, bias=False)
-        self.norm = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-
-MUON_NAMES = ("hidden.weight", "proj.weight")
 
 
 def _model(seed: int = 0) -> TinyLM:

@@ -9,8 +9,6 @@ nothing changed, and that a corrected retry succeeds and trains.
 
 from __future__ import annotations
 
-import io
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,39 +18,34 @@ import torch
 from torch import Tensor, nn
 
 from gefen.contracts import (
-    LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
     ProcessGroupIdentity,
     ProcessGroupScope,
     ShardIdentity,
     ShardingManifest,
-    ShardPlacement,
 )
 from gefen.core import Gefen, ParameterRebinding
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import (
+    FINALIZED_SNAPSHOT_ATTRIBUTES,
+    fill_grads,
+    flattened_shard,
+    replicated_shard,
+    solo_binding,
+    whole_owner_shard,
+)
+from gefen.core.testing import rejects as core_rejects
+from gefen.core.testing import weights_only_round_trip as _roundtrip
 from gefen.dist import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
 from gefen.dist.testing import deep_snapshot, snapshot_diff
 from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.testing import MUON_NAMES, TinyLM
 from gefen.muon import GefenMuon
 
 SOLO = ProcessGroupIdentity("solo", ("rank:0",))
 OTHER = ProcessGroupIdentity("other", ("rank:0",))
 ME = "rank:0"
-ATTRIBUTES = (*SNAPSHOT_ATTRIBUTES, "_finalized", "_binding")
-MUON_NAMES = ("hidden.weight", "proj.weight")
+ATTRIBUTES = FINALIZED_SNAPSHOT_ATTRIBUTES
 SCOPE = "codebook scope"
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 16, width: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.hidden = nn.Linear(width, width)
-        self.proj = nn.Linear(width, width, bias=False)
-        self.norm = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, vocab, bias=False)
 
 
 # -- shards --------------------------------------------------------------------------------------
@@ -65,40 +58,15 @@ def _pid(fqn: str, shape: tuple[int, ...]) -> ParameterIdentity:
 def replicated(
     fqn: str, shape: tuple[int, ...], group: ProcessGroupIdentity | None
 ) -> ShardIdentity:
-    pid = _pid(fqn, shape)
-    if group is None:
-        return ShardIdentity(pid, ParameterLayout.REPLICATED, LogicalSlice.full(pid))
-    placement = ShardPlacement(group.semantic_name, PlacementKind.REPLICATE, 0, 1)
-    return ShardIdentity(
-        pid, ParameterLayout.REPLICATED, LogicalSlice.full(pid), (placement,), group, ME
-    )
+    return replicated_shard(_pid(fqn, shape), group)
 
 
 def whole_owner(fqn: str, shape: tuple[int, ...], group: ProcessGroupIdentity) -> ShardIdentity:
-    pid = _pid(fqn, shape)
-    placement = ShardPlacement(group.semantic_name, PlacementKind.WHOLE_PARAMETER_OWNER, 0, 1)
-    return ShardIdentity(
-        pid,
-        ParameterLayout.WHOLE_PARAMETER_OWNER,
-        LogicalSlice.full(pid),
-        (placement,),
-        group,
-        ME,
-        owner=ME,
-    )
+    return whole_owner_shard(_pid(fqn, shape), group)
 
 
 def flattened(fqn: str, shape: tuple[int, ...], group: ProcessGroupIdentity) -> ShardIdentity:
-    pid = _pid(fqn, shape)
-    placement = ShardPlacement(group.semantic_name, PlacementKind.FLAT_SHARD, 0, 1)
-    return ShardIdentity(
-        pid,
-        ParameterLayout.FLATTENED_ELEMENT_SHARD,
-        LogicalSlice.full(pid),
-        (placement,),
-        group,
-        ME,
-    )
+    return flattened_shard(_pid(fqn, shape), group)
 
 
 # -- the hybrid under test -----------------------------------------------------------------------
@@ -170,9 +138,7 @@ def make(
         elif mode == "mixed" and param.dim() == 2:
             shards[name] = flattened(name, shape, identity)
             targets[name] = nn.Parameter(param.detach().reshape(-1).clone())
-    binding = (
-        None if mode == "ungrouped" else CodebookProcessGroupBinding(identity, ME, None, "cpu")
-    )
+    binding = None if mode == "ungrouped" else solo_binding(identity)
     return Setup(hybrid, names, olds, targets, shards, binding)
 
 
@@ -198,21 +164,11 @@ def unchanged(before: Any, hybrid: GefenMuonHybrid) -> None:
 def rejects(
     hybrid: GefenMuonHybrid, action: Callable[[], Any], error: type[BaseException], fragment: str
 ) -> pytest.ExceptionInfo[Any]:
-    before = snapshot(hybrid)
-    with pytest.raises(error, match=re.escape(fragment)) as info:
-        action()
-    unchanged(before, hybrid)
-    return info
+    return core_rejects(hybrid, action, error, fragment, snapshot=snapshot, unchanged=unchanged)
 
 
 def params(hybrid: GefenMuonHybrid) -> list[Tensor]:
     return [p for g in hybrid.param_groups for p in g["params"]]
-
-
-def fill_grads(tensors: list[Tensor], seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for p in tensors:
-        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
 
 
 def trains(hybrid: GefenMuonHybrid, seed: int = 7) -> None:
@@ -224,13 +180,6 @@ def trains(hybrid: GefenMuonHybrid, seed: int = 7) -> None:
     assert [c.global_step for c in hybrid._gefen_children()] == [n + 1 for n in counters]
     assert all(not torch.equal(b, p) for b, p in zip(before, live, strict=True))
     hybrid.zero_grad(set_to_none=True)
-
-
-def _roundtrip(sd: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 # -- forwarding ----------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ import torch
 from torch import nn
 
 from gefen.core import Gefen
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
-from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.hybrid import (
     DEFAULT_BACKUP_SUBSTRINGS,
     GefenMuonHybrid,
@@ -28,6 +26,9 @@ from gefen.hybrid import (
     split_params_for_muon,
     validate_split,
 )
+from gefen.hybrid.testing import OneHiddenLM as TinyLM
+from gefen.hybrid.testing import assert_same_hybrid as _assert_same
+from gefen.hybrid.testing import hybrid_snapshot as _snapshot
 from gefen.muon import GefenMuon
 
 BARE_TENSORS = (
@@ -48,20 +49,6 @@ FAST = {"fused": False, "ns_steps": 1}
 
 # --------------------------------------------------------------------------------------------
 # Models
-
-
-class TinyLM(nn.Module):
-    """embed, hidden (with bias), LayerNorm, untied lm_head: Muon = {hidden.weight}, 5 backup."""
-
-    def __init__(self, vocab: int = 16, width: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.hidden = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(torch.relu(self.hidden(self.embed(tokens)))))
 
 
 TINY_BACKUP = ["embed.weight", "hidden.bias", "norm.weight", "norm.bias", "lm_head.weight"]
@@ -171,32 +158,6 @@ def _trains(hybrid: GefenMuonHybrid, seed: int = 123) -> None:
         assert bool(torch.isfinite(p).all())
         if p.numel():
             assert not torch.equal(b, p.detach())
-
-
-def _child_snapshot(child: torch.optim.Optimizer | None) -> Any:
-    if child is None:
-        return None
-    if isinstance(child, (Gefen, GefenMuon)):
-        return deep_snapshot(child, attributes=SNAPSHOT_ATTRIBUTES)
-    return deep_snapshot(child, attributes=("defaults",))
-
-
-def _snapshot(hybrid: GefenMuonHybrid) -> dict[str, Any]:
-    return {
-        "muon": _child_snapshot(hybrid.muon),
-        "backup": _child_snapshot(hybrid.backup),
-        "children": (hybrid.muon, hybrid.backup),
-        "latch": hybrid._commit_failed,
-    }
-
-
-def _assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
-    for role in ("muon", "backup"):
-        assert (before[role] is None) == (after[role] is None)
-        if before[role] is not None:
-            assert_unchanged(before[role], after[role])
-    assert all(a is b for a, b in zip(before["children"], after["children"], strict=True))
-    assert before["latch"] == after["latch"]
 
 
 def _model_values(model: nn.Module) -> dict[str, torch.Tensor]:

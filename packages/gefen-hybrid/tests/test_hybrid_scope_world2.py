@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+from gefen.core.testing import attempt, snapshot_changes
+from gefen.core.testing import oracle_codebook as _oracle
+from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
@@ -53,18 +55,6 @@ def _grads(seed: int, muon_seed: int | None = None) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(base * 100 + index)
         grads[name] = torch.randn(shape, generator=generator)
     return grads
-
-
-def _oracle(pieces: list[torch.Tensor]) -> list[float]:
-    """One process: each gradient's own automatic period, the summed histogram, the solve."""
-    from gefen.core.kernels import BIN_COUNT, histogram, select_period, solve_codebook
-
-    counts = torch.zeros(BIN_COUNT, dtype=torch.int64)
-    for piece in pieces:
-        period = select_period(piece, tuple(piece.shape), force_one=False)
-        assert period is not None
-        counts += histogram(piece, period)
-    return solve_codebook(counts).tolist()
 
 
 # --- helpers that run inside the spawned ranks --------------------------------------------
@@ -166,30 +156,11 @@ def _snapshot(hybrid: Any) -> Any:
 
 
 def _changes(hybrid: Any, before: Any) -> list[str]:
-    from gefen.dist.testing import snapshot_diff
-
-    return snapshot_diff(before, _snapshot(hybrid))
+    return snapshot_changes(hybrid, before, _snapshot)
 
 
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    caught: list[BaseException] = []
-
-    def run() -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            caught.append(exc)
-            raise
-
-    elapsed, text, _ = timed(run)
-    error = caught[0] if caught else None
-    cause = None if error is None else error.__cause__
-    return {
-        "elapsed": elapsed,
-        "error": text,
-        "cause": None if cause is None else f"{type(cause).__name__}: {cause}",
-        "local_failure": getattr(error, "local_failure", None),
-    }
+    return attempt(fn, attributes=("local_failure",), value=False)
 
 
 def _steps(scoped: ScopedHybrid, seed: int = 90) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -24,35 +23,16 @@ from torch.optim.optimizer import (
 )
 
 from gefen.core import Gefen, NonFiniteGradientError
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import SNAPSHOT_ATTRIBUTES, forbid_collectives
 from gefen.core.validation import validate_gradient_structure
 from gefen.dist import DistributedStepError
 from gefen.dist.testing import assert_unchanged, deep_snapshot, snapshot_diff
 from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.testing import MUON_NAMES, TinyLM
 from gefen.muon import GefenMuon
 
 BACKENDS = ["gefen", "adamw"]
 LATCHED = "previous step failed during commit"
-
-
-class TinyLM(nn.Module):
-    """embed → two hidden matrices → LayerNorm → untied lm_head (Muon: the hidden weights)."""
-
-    def __init__(self, vocab: int = 16, width: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.hidden = nn.Linear(width, width)
-        self.proj = nn.Linear(width, width, bias=False)
-        self.norm = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        x = x + self.proj(torch.relu(self.hidden(x)))
-        return self.lm_head(self.norm(x))
-
-
-MUON_NAMES = ("hidden.weight", "proj.weight")
 
 
 def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyLM:
@@ -869,26 +849,8 @@ def test_the_hybrid_trains(backend: str) -> None:
     assert _counters(hybrid) == (40, 40)
 
 
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce_scatter_tensor",
-    "barrier",
-)
-
-
 def _forbid_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in _COLLECTIVES:
-        if hasattr(dist, name):
-
-            def forbidden(*args: Any, _name: str = name, **kwargs: Any) -> None:
-                raise AssertionError(f"a one-process hybrid called torch.distributed.{_name}")
-
-            monkeypatch.setattr(dist, name, forbidden)
+    forbid_collectives(monkeypatch, "a one-process hybrid")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

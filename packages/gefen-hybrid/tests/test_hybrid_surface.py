@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -35,10 +34,10 @@ from gefen.contracts import (
 )
 from gefen.contracts.conformance import check_provider, check_state_dict
 from gefen.core import Gefen
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
-from gefen.dist.testing import assert_unchanged, deep_snapshot
+from gefen.core.testing import weights_only_round_trip as _round_trip
 from gefen.hybrid import GefenMuonHybrid
-from gefen.muon import GefenMuon
+from gefen.hybrid.testing import OneHiddenLM as TinyLM
+from gefen.hybrid.testing import assert_same_hybrid, hybrid_snapshot
 
 READ_ONLY = (
     "GefenMuonHybrid.state is read-only; modify a child's state through hybrid.muon or "
@@ -58,20 +57,6 @@ ADAMW_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1
 
 # --------------------------------------------------------------------------------------------
 # Model and helpers
-
-
-class TinyLM(nn.Module):
-    """embed, hidden (with bias), LayerNorm, untied lm_head: Muon = {hidden.weight}, 5 backup."""
-
-    def __init__(self, vocab: int = 16, width: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.hidden = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(torch.relu(self.hidden(self.embed(tokens)))))
 
 
 def _tiny(seed: int = 0) -> TinyLM:
@@ -115,31 +100,12 @@ def _stepped(hybrid: GefenMuonHybrid, steps: int = 1, seed: int = 50) -> None:
         hybrid.step()
 
 
-def _child_snapshot(child: torch.optim.Optimizer | None) -> Any:
-    if child is None:
-        return None
-    if isinstance(child, (Gefen, GefenMuon)):
-        return deep_snapshot(child, attributes=SNAPSHOT_ATTRIBUTES)
-    return deep_snapshot(child, attributes=("defaults",))
-
-
 def _snapshot(hybrid: GefenMuonHybrid) -> dict[str, Any]:
-    return {
-        "muon": _child_snapshot(hybrid.muon),
-        "backup": _child_snapshot(hybrid.backup),
-        "children": (hybrid.muon, hybrid.backup),
-        "latch": hybrid._commit_failed,
-        "dict": dict(hybrid.__dict__),
-    }
+    return {**hybrid_snapshot(hybrid), "dict": dict(hybrid.__dict__)}
 
 
 def _assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
-    for role in ("muon", "backup"):
-        assert (before[role] is None) == (after[role] is None)
-        if before[role] is not None:
-            assert_unchanged(before[role], after[role])
-    assert all(a is b for a, b in zip(before["children"], after["children"], strict=True))
-    assert before["latch"] == after["latch"]
+    assert_same_hybrid(before, after)
     assert before["dict"].keys() == after["dict"].keys()
     assert all(before["dict"][key] is after["dict"][key] for key in before["dict"])
 
@@ -174,13 +140,6 @@ def _entries_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         elif value != other:
             return False
     return True
-
-
-def _round_trip(state_dict: dict[str, Any]) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 # --------------------------------------------------------------------------------------------

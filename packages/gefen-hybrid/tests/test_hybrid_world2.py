@@ -27,7 +27,12 @@ import pytest
 import torch
 from torch import nn
 
+from gefen.core.testing import attempt as _attempt
+from gefen.core.testing import live_params as _params
+from gefen.core.testing import local_shard as _local
+from gefen.core.testing import same_or_none as _same
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+from gefen.muon.testing import shared_mesh as _mesh
 
 DEADLINE_S = 10.0  # 20-muon.md §11: a failing operation < 10 s < process-group timeout 20 s
 PG_TIMEOUT_S = 20.0
@@ -81,17 +86,6 @@ PRESENCE = (
 )
 
 # --- helpers that run inside the spawned ranks ------------------------------------------------
-
-_MESH: list[Any] = []
-
-
-def _mesh() -> Any:
-    """One (2,) CPU mesh per child: every new mesh creates new process groups."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not _MESH:
-        _MESH.append(init_device_mesh("cpu", (2,)))
-    return _MESH[0]
 
 
 class TinyLM(nn.Module):
@@ -170,17 +164,9 @@ def _assign(model: Any, seed: int) -> None:
             param.grad = full
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _children(hybrid: Any) -> list[tuple[str, Any]]:
     return [(role, child) for role, child in (("muon", hybrid.muon), ("backup", hybrid.backup))
             if child is not None]  # fmt: skip
-
-
-def _params(optimizer: Any) -> list[torch.Tensor]:
-    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
 def _is_adamw(child: Any) -> bool:
@@ -231,12 +217,6 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.layout != torch.strided else grad.clone()
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-
-
 def _changes(hybrid: Any, before: dict[str, Any]) -> list[str]:
     """Every difference from ``before`` in either child (empty: nothing was mutated)."""
     from gefen.dist.testing import snapshot_diff
@@ -262,32 +242,6 @@ def _changes(hybrid: Any, before: dict[str, Any]) -> list[str]:
         if old["global_step"] != new["global_step"]:
             changes.append(f"{role}: global step differs")
     return changes
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run a (failing) operation under ``timed``; describe the error and its cause."""
-    caught: list[BaseException] = []
-
-    def run() -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            caught.append(exc)
-            raise
-
-    elapsed, text, value = timed(run)
-    error = caught[0] if caught else None
-    cause = None if error is None else error.__cause__
-    return {
-        "elapsed": elapsed,
-        "error": text,
-        "value": value,
-        "cause": None if cause is None else f"{type(cause).__name__}: {cause}",
-        "what": getattr(error, "what", None),
-        "phase": getattr(error, "phase", None),
-        "local_failure": getattr(error, "local_failure", None),
-        "rank": getattr(error, "rank", None),
-    }
 
 
 def _steps_together(hybrid: Any, model: Any, seed: int) -> dict[str, Any]:

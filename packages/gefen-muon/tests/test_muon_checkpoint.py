@@ -9,7 +9,6 @@ the load hooks and the failed-commit latch. Multi-rank behaviour lives elsewhere
 from __future__ import annotations
 
 import copy
-import io
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +17,11 @@ import pytest
 import torch
 
 from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import weights_only_round_trip as _roundtrip
 from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.muon import GefenMuon
 from gefen.muon.checkpoint import _names
+from gefen.muon.testing import OPTION_KEYS
 
 SHAPES = ((12, 16), (8, 8), (6, 10))
 NAMES = ("enc.weight", "enc.proj", "head.weight")
@@ -32,26 +33,7 @@ BASE_EXTRAS = {
     "momentum_codec",
     "initialized_params",
 }
-HYPERPARAMETERS = {
-    "lr",
-    "weight_decay",
-    "momentum",
-    "nesterov",
-    "ns_coefficients",
-    "ns_steps",
-    "ns_schedule",
-    "eps",
-    "adjust_lr_fn",
-    "momentum_codec",
-    "sharded_mode",
-    "normuon",
-    "normuon_beta2",
-    "normuon_eps",
-    "fused",
-    "stochastic_round",
-    "deterministic",
-    "check_finite",
-}
+HYPERPARAMETERS = OPTION_KEYS
 
 
 # -- builders -----------------------------------------------------------------------------------
@@ -90,13 +72,6 @@ def _trained(
         _grads(params, seed * 100 + step)
         optimizer.step()
     return optimizer, params
-
-
-def _roundtrip(sd: dict[str, Any]) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def _flat(optimizer: GefenMuon) -> list[torch.Tensor]:

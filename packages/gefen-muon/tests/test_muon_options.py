@@ -14,30 +14,12 @@ import torch
 from gefen.core.testing import SNAPSHOT_ATTRIBUTES
 from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.muon import GefenMuon
+from gefen.muon.testing import OPTION_KEYS
 
 STANDARD = (3.4445, -4.7750, 2.0315)
 TUNED3_LENGTH = 3
 TUNED4_LENGTH = 4
-DEFAULT_KEYS = {
-    "lr",
-    "weight_decay",
-    "momentum",
-    "nesterov",
-    "ns_coefficients",
-    "ns_steps",
-    "ns_schedule",
-    "eps",
-    "adjust_lr_fn",
-    "momentum_codec",
-    "sharded_mode",
-    "normuon",
-    "normuon_beta2",
-    "normuon_eps",
-    "fused",
-    "stochastic_round",
-    "deterministic",
-    "check_finite",
-}
+DEFAULT_KEYS = OPTION_KEYS
 MIX_MESSAGE = (
     "GefenMuon cannot mix sharded_mode 'approx' with 'exact' or 'distributed' in one optimizer"
 )

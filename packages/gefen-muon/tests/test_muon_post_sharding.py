@@ -11,8 +11,6 @@ and trains; the layout guard, the contract, and the ``"scope"`` checkpoint extra
 
 from __future__ import annotations
 
-import io
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,22 +20,27 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import (
-    LogicalRegion,
-    LogicalSlice,
     ParameterIdentity,
     ParameterLayout,
-    PlacementKind,
     ProcessGroupIdentity,
     ProcessGroupScope,
     ShardIdentity,
     ShardingManifest,
-    ShardPlacement,
     TrainingSupport,
 )
 from gefen.core import ParameterRebinding
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import (
+    dtensor_replicate_shard,
+    fill_grads,
+    flattened_shard,
+    rejects,
+    replicated_shard,
+    solo_binding,
+    whole_owner_shard,
+)
+from gefen.core.testing import takes_a_step as trains
+from gefen.core.testing import weights_only_round_trip as _roundtrip
 from gefen.dist import BindingError, CheckpointProcessGroupBinding, CodebookProcessGroupBinding
-from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.muon import GefenMuon
 
 SOLO = ProcessGroupIdentity("solo", ("rank:0",))
@@ -52,7 +55,6 @@ SHAPES: dict[str, tuple[int, ...]] = {
 }
 GROUPS = (("blocks.0.weight", "blocks.1.weight"), ("blocks.2.weight",))
 ORDER = tuple(f for g in GROUPS for f in g)
-ATTRIBUTES = (*SNAPSHOT_ATTRIBUTES, "_finalized", "_binding")
 PRISTINE = "post_sharding requires a pristine optimizer"
 LAYOUT = "parameter layout changed after post_sharding"
 SCOPE = "codebook scope"
@@ -67,34 +69,13 @@ def _pid(fqn: str) -> ParameterIdentity:
 def replicated(
     fqn: str, group: ProcessGroupIdentity | None = None, member: str = ME
 ) -> ShardIdentity:
-    extent = LogicalSlice.full(_pid(fqn))
-    if group is None:
-        return ShardIdentity(_pid(fqn), ParameterLayout.REPLICATED, extent)
-    placement = ShardPlacement(
-        group.semantic_name, PlacementKind.REPLICATE, group.coordinate(member), group.size
-    )
-    return ShardIdentity(_pid(fqn), ParameterLayout.REPLICATED, extent, (placement,), group, member)
+    return replicated_shard(_pid(fqn), group, member)
 
 
 def whole_owner(
     fqn: str, group: ProcessGroupIdentity = SOLO, member: str = ME, owner: str = ME
 ) -> ShardIdentity:
-    placement = ShardPlacement(
-        group.semantic_name,
-        PlacementKind.WHOLE_PARAMETER_OWNER,
-        group.coordinate(member),
-        group.size,
-    )
-    extent = LogicalSlice.full(_pid(fqn)) if member == owner else LogicalSlice(0, 0)
-    return ShardIdentity(
-        _pid(fqn),
-        ParameterLayout.WHOLE_PARAMETER_OWNER,
-        extent,
-        (placement,),
-        group,
-        member,
-        owner=owner,
-    )
+    return whole_owner_shard(_pid(fqn), group, member, owner)
 
 
 def owner_peers(fqn: str, group: ProcessGroupIdentity, owner: str) -> tuple[ShardIdentity, ...]:
@@ -103,28 +84,11 @@ def owner_peers(fqn: str, group: ProcessGroupIdentity, owner: str) -> tuple[Shar
 
 
 def flattened(fqn: str, group: ProcessGroupIdentity = SOLO) -> ShardIdentity:
-    placement = ShardPlacement(group.semantic_name, PlacementKind.FLAT_SHARD, 0, group.size)
-    numel = _pid(fqn).numel
-    return ShardIdentity(
-        _pid(fqn),
-        ParameterLayout.FLATTENED_ELEMENT_SHARD,
-        LogicalSlice(0, numel),
-        (placement,),
-        group,
-        ME,
-    )
+    return flattened_shard(_pid(fqn), group)
 
 
 def dtensor_replicate(fqn: str, group: ProcessGroupIdentity = SOLO) -> ShardIdentity:
-    placement = ShardPlacement(group.semantic_name, PlacementKind.REPLICATE, 0, group.size)
-    return ShardIdentity(
-        _pid(fqn),
-        ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
-        LogicalRegion.full(_pid(fqn)),
-        (placement,),
-        group,
-        ME,
-    )
+    return dtensor_replicate_shard(_pid(fqn), group)
 
 
 @dataclass
@@ -198,7 +162,7 @@ def make(
             f: whole_owner(f, identity) if f in owned else replicated(f, identity) for f in ORDER
         }
         extra = ()
-        binding = CodebookProcessGroupBinding(identity, ME, None, "cpu")
+        binding = solo_binding(identity)
     else:
         pruned = "blocks.1.weight" if mode == "pruned" else "blocks.2.weight"
         shards = {f: replicated(f, PAIR) for f in ORDER}
@@ -207,46 +171,6 @@ def make(
         extra = tuple(replicated(f, PAIR, "rank:1") for f in ORDER if f != pruned)
         extra += (whole_owner(pruned, PAIR, "rank:1", owner="rank:1"),)
     return Setup(mode, opt, olds, targets, shards, (*shards.values(), *extra), binding)
-
-
-def snapshot(opt: Any) -> Any:
-    return deep_snapshot(opt, attributes=ATTRIBUTES)
-
-
-def fill_grads(params: list[Tensor], seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
-
-
-def trains(opt: GefenMuon, params: list[Tensor] | None = None, seed: int = 7) -> None:
-    live = [p for g in opt.param_groups for p in g["params"]] if params is None else params
-    fill_grads(live, seed)
-    before = [p.detach().clone() for p in live]
-    step = opt.global_step
-    opt.step()
-    assert opt.global_step == step + 1
-    assert opt.codebook is not None
-    for b, p in zip(before, live, strict=True):
-        assert not torch.equal(b, p)
-    opt.zero_grad(set_to_none=True)
-
-
-def rejects(
-    opt: Any, action: Callable[[], Any], error: type[BaseException], fragment: str
-) -> pytest.ExceptionInfo[Any]:
-    before = snapshot(opt)
-    with pytest.raises(error, match=re.escape(fragment)) as info:
-        action()
-    assert_unchanged(before, snapshot(opt))
-    return info
-
-
-def _roundtrip(sd: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 # -- types and preconditions ---------------------------------------------------------------------

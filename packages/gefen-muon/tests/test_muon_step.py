@@ -24,7 +24,7 @@ from torch.optim.optimizer import (
 
 from gefen.core import NonFiniteGradientError
 from gefen.core.codec import encode_blocks
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import SNAPSHOT_ATTRIBUTES, forbid_collectives
 from gefen.dist.testing import assert_unchanged, deep_snapshot, gloo_required
 from gefen.muon import GefenMuon, adjust_lr_ratio, newton_schulz
 
@@ -597,13 +597,7 @@ _COLLECTIVES = (
 
 
 def _forbid_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in _COLLECTIVES:
-        if hasattr(dist, name):
-
-            def forbidden(*args: Any, _name: str = name, **kwargs: Any) -> None:
-                raise AssertionError(f"a non-sharded step called torch.distributed.{_name}")
-
-            monkeypatch.setattr(dist, name, forbidden)
+    forbid_collectives(monkeypatch, "a non-sharded step", _COLLECTIVES)
 
 
 def _exercise(optimizer: GefenMuon, params: list[torch.Tensor]) -> None:

@@ -25,7 +25,12 @@ import pytest
 import torch
 from torch import nn
 
-from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+from gefen.core.testing import attempt as _attempt
+from gefen.core.testing import live_params as _params
+from gefen.core.testing import local_shard as _local
+from gefen.core.testing import same_or_none as _same
+from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios
+from gefen.muon.testing import shared_mesh as _mesh
 
 DEADLINE_S = 10.0  # 20-muon.md §11: a failing operation < 10 s < process-group timeout 20 s
 PG_TIMEOUT_S = 20.0
@@ -69,17 +74,6 @@ PRESENCE = (
 UNVERIFIABLE = "cannot verify cross-rank parameter order"
 
 # --- helpers that run inside the spawned ranks ------------------------------------------------
-
-_MESH: list[Any] = []
-
-
-def _mesh() -> Any:
-    """One (2,) CPU mesh per child: every new mesh creates new process groups."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not _MESH:
-        _MESH.append(init_device_mesh("cpu", (2,)))
-    return _MESH[0]
 
 
 def _model(widths: tuple[int, ...] = (8, 16, 4), *, shard: bool = True, seed: int = 0) -> Any:
@@ -130,14 +124,6 @@ def _assign(model: Any, seed: int, zero_rows: Callable[[int], slice] | None = No
         param.grad = distribute_tensor(full, param.device_mesh, [Shard(0)])
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _params(optimizer: Any) -> list[torch.Tensor]:
-    return [param for group in optimizer.param_groups for param in group["params"]]
-
-
 def _capture(optimizer: Any) -> dict[str, Any]:
     """A deep snapshot plus clones of the local shards, codebook and global step."""
     from gefen.core.testing import SNAPSHOT_ATTRIBUTES
@@ -160,12 +146,6 @@ def _capture(optimizer: Any) -> dict[str, Any]:
         }
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-
-
 def _changes(optimizer: Any, before: dict[str, Any]) -> list[str]:
     """Every difference from ``before`` (empty: nothing was mutated)."""
     from gefen.dist.testing import snapshot_diff
@@ -184,32 +164,6 @@ def _changes(optimizer: Any, before: dict[str, Any]) -> list[str]:
     if before["global_step"] != after["global_step"]:
         changes.append("global_step differs")
     return changes
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run a (failing) operation under ``timed``; describe the error and its cause."""
-    caught: list[BaseException] = []
-
-    def run() -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            caught.append(exc)
-            raise
-
-    elapsed, text, value = timed(run)
-    error = caught[0] if caught else None
-    cause = None if error is None else error.__cause__
-    return {
-        "elapsed": elapsed,
-        "error": text,
-        "value": value,
-        "cause": None if cause is None else f"{type(cause).__name__}: {cause}",
-        "what": getattr(error, "what", None),
-        "phase": getattr(error, "phase", None),
-        "local_failure": getattr(error, "local_failure", None),
-        "rank": getattr(error, "rank", None),
-    }
 
 
 def _steps_together(optimizer: Any, model: Any, seed: int) -> dict[str, Any]:

@@ -11,153 +11,26 @@ load them by reference, and they return plain data (tensors travel as ``torch.sa
 
 from __future__ import annotations
 
-import hashlib
 import io
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+from gefen.muon import testing as mt
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
 WORLD = 2
 DEADLINE_S = 10.0  # liveness bound of one failing operation, below the 20 s+ group timeout
-OPTIONS: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "ns_steps": 1, "fused": False}
 SHAPES3 = [(8, 6), (5, 4), (1, 4)]
 SHAPES5 = [(8, 6), (1, 8), (5, 4), (1, 4), (6, 8)]  # (1, 8) at index 1: an empty-shard owner
-CODEBOOK8_KEYS = ["momentum_codes", "momentum_scale", "period", "step"]
 
 
 # --- helpers (run inside the ranks and, for the one-process checks, in the parent) ----------
-
-
-def _fulls(shapes: Sequence[tuple[int, int]], seed: int) -> list[Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator) for shape in shapes]
-
-
-def _grads(shapes: Sequence[tuple[int, int]], seed: int, step: int) -> list[Tensor]:
-    return _fulls(shapes, 1000 * seed + step)
-
-
-def _mesh(world: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (world,))
-
-
-def _sharded(mesh: Any, fulls: Sequence[Tensor]) -> nn.Module:
-    """Bias-free Linear layers holding ``fulls``, each ``fully_shard``-ed on ``mesh``."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = [nn.Linear(full.shape[1], full.shape[0], bias=False) for full in fulls]
-    with torch.no_grad():
-        for layer, full in zip(layers, fulls, strict=True):
-            layer.weight.copy_(full)
-    model = nn.Sequential(*layers)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _muon(model: nn.Module, **overrides: Any) -> Any:
-    from gefen.muon import GefenMuon
-
-    return GefenMuon(model.named_parameters(), **{**OPTIONS, **overrides})
-
-
-def _oracle(fulls: Sequence[Tensor], **overrides: Any) -> tuple[list[nn.Parameter], Any]:
-    from gefen.muon import GefenMuon
-
-    params = [nn.Parameter(full.clone()) for full in fulls]
-    return params, GefenMuon(params, **{**OPTIONS, **overrides})
-
-
-def _assign(model: nn.Module, grads: Sequence[Tensor], skip: Iterable[int] = ()) -> None:
-    """Shard(0) gradients on every rank; ``skip`` items are then cleared (§11)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    absent = set(skip)
-    for index, (param, grad) in enumerate(zip(model.parameters(), grads, strict=True)):
-        param.grad = distribute_tensor(grad.clone(), param.device_mesh, [Shard(0)])
-        if index in absent:
-            param.grad = None
-
-
-def _assign_plain(
-    params: Sequence[nn.Parameter], grads: Sequence[Tensor], skip: Iterable[int] = ()
-) -> None:
-    absent = set(skip)
-    for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        param.grad = None if index in absent else grad.clone()
-
-
-def _full(model: nn.Module) -> list[Tensor]:
-    """The logical parameters (collective: every rank calls it)."""
-    return [param.full_tensor().detach().clone() for param in model.parameters()]
-
-
-def _max_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
-    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
-
-
-def _bits_equal(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
-    return all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return (
-            isinstance(a, Tensor)
-            and isinstance(b, Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    return type(a) is type(b) and a == b
-
-
-def _same_entry(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return sorted(a) == sorted(b) and all(_same(a[key], b[key]) for key in a)
-
-
-def _digest(entry: dict[str, Any]) -> str:
-    """A content digest of one state entry (tensors by dtype, shape and bytes)."""
-    sha = hashlib.sha256()
-    for key in sorted(entry):
-        value = entry[key]
-        sha.update(key.encode())
-        if isinstance(value, Tensor):
-            sha.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        else:
-            sha.update(repr(value).encode())
-    return sha.hexdigest()
-
-
-def _owned(optimizer: Any, model: nn.Module) -> list[int]:
-    return [i for i, p in enumerate(model.parameters()) if "step" in optimizer.state[p]]
-
-
-def _snapshot(optimizer: Any) -> Any:
-    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
-    from gefen.dist.testing import deep_snapshot
-
-    return deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
-
-
-def _changes(optimizer: Any, before: Any) -> list[str]:
-    from gefen.dist.testing import snapshot_diff
-
-    return snapshot_diff(before, _snapshot(optimizer))
 
 
 def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -177,130 +50,46 @@ def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"elapsed": time.perf_counter() - start, "error": None, "cause": None}
 
 
-def _round_trip(sd: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    payload = buffer.getvalue()
-    return payload, torch.load(io.BytesIO(payload), weights_only=True)
-
-
-def _expected_manifest(shapes: Sequence[tuple[int, int]], world: int) -> dict[str, Any]:
-    params = [
-        {
-            "saved_id": index,
-            "name": f"{index}.weight",
-            "shape": list(shape),
-            "owner": index % world,
-            "state_keys": CODEBOOK8_KEYS,
-            "initialized": True,
-        }
-        for index, shape in enumerate(shapes)
-    ]
-    return {
-        "version": 1,
-        "ownership": "stable_index_mod_world",
-        "consolidated": True,
-        "groups": [{"world_size": world, "params": params}],
-    }
-
-
 # --- scenarios ---------------------------------------------------------------------------------
 
 
 def scenario_exact_matches_oracle(rank: int, world: int) -> dict[str, Any]:
-    mesh = _mesh(world)
+    mesh = mt.mesh_1d(world)
     results: dict[str, Any] = {}
     for normuon in (False, True):
-        fulls = _fulls(SHAPES3, 1)
-        model = _sharded(mesh, fulls)
-        optimizer = _muon(model, sharded_mode="exact", normuon=normuon)
-        oracle_params, oracle = _oracle(fulls, normuon=normuon)
+        fulls = mt.fulls(SHAPES3, 1)
+        model = mt.sharded(mesh, fulls)
+        optimizer = mt.sharded_muon(model, sharded_mode="exact", normuon=normuon)
+        oracle_params, oracle = mt.oracle(fulls, normuon=normuon)
         for step in range(3):
-            grads = _grads(SHAPES3, 7, step)
-            _assign(model, grads)
-            _assign_plain(oracle_params, grads)
+            grads = mt.grads(SHAPES3, 7, step)
+            mt.assign_sharded(model, grads)
+            mt.assign_plain(oracle_params, grads)
             optimizer.step()
             oracle.step()
         params = list(model.parameters())
-        full = _full(model)
+        full = mt.full_params(model)
         results[f"normuon={normuon}"] = {
-            "diff": _max_diff(full, [p.detach() for p in oracle_params]),
-            "moved": _max_diff(full, fulls) > 1e-3,
+            "diff": mt.max_diff(full, [p.detach() for p in oracle_params]),
+            "moved": mt.max_diff(full, fulls) > 1e-3,
             "local_rows": [int(p.to_local().shape[0]) for p in params],
             "state_numel": [int(optimizer.state[p]["momentum_codes"].numel()) for p in params],
             "normuon_v": [
                 list(optimizer.state[p]["normuon_v"].shape) if normuon else None for p in params
             ],
-            "codebook_equal": _same(optimizer.codebook, oracle.codebook),
+            "codebook_equal": mt.same(optimizer.codebook, oracle.codebook),
             "global_step": optimizer.global_step,
         }
     return results
 
 
-def scenario_distributed_equals_exact(rank: int, world: int, schedule: str) -> dict[str, Any]:
-    mesh = _mesh(world)
-    extra: dict[str, Any] = (
-        {"ns_schedule": "standard", "ns_steps": 1}
-        if schedule == "standard"
-        else {"ns_schedule": schedule}
-    )
-    fulls = _fulls(SHAPES5, 3)
-    exact_model, dist_model = _sharded(mesh, fulls), _sharded(mesh, fulls)
-    exact = _muon(exact_model, sharded_mode="exact", **extra)
-    distributed = _muon(dist_model, sharded_mode="distributed", **extra)
-    oracle_params, oracle = _oracle(fulls, **extra)
-    equal: list[bool] = []
-    for step in range(3):
-        grads = _grads(SHAPES5, 11, step)
-        _assign(exact_model, grads)
-        _assign(dist_model, grads)
-        _assign_plain(oracle_params, grads)
-        exact.step()
-        distributed.step()
-        oracle.step()
-        equal.append(_bits_equal(_full(exact_model), _full(dist_model)))
-    final = _full(dist_model)
-    pairs = list(zip(exact_model.parameters(), dist_model.parameters(), strict=True))
-    owned = _owned(distributed, dist_model)
-    return {
-        "equal": equal,
-        "moved": _max_diff(final, fulls) > 1e-3,
-        "oracle_diff": _max_diff(final, [p.detach() for p in oracle_params]),
-        "owned": owned,
-        "owner_state_equal": [
-            _same_entry(distributed.state[d], exact.state[e])
-            for i, (e, d) in enumerate(pairs)
-            if i in owned
-        ],
-        "non_owner_keys": sorted(
-            {
-                key
-                for i, (_, d) in enumerate(pairs)
-                if i not in owned
-                for key in distributed.state[d]
-            }
-        ),
-        "local_rows": [int(d.to_local().shape[0]) for _, d in pairs],
-        "owned_steps": {
-            i: distributed.state[d]["step"] for i, (_, d) in enumerate(pairs) if i in owned
-        },
-        "owned_numel": {
-            i: int(distributed.state[d]["momentum_codes"].numel())
-            for i, (_, d) in enumerate(pairs)
-            if i in owned
-        },
-        "ns_steps": distributed.param_groups[0]["ns_steps"],
-        "global_step": (exact.global_step, distributed.global_step),
-    }
-
-
 def scenario_fluctuating_active_set(rank: int, world: int) -> dict[str, Any]:
-    mesh = _mesh(world)
-    fulls = _fulls(SHAPES5, 5)
-    exact_model, dist_model = _sharded(mesh, fulls), _sharded(mesh, fulls)
-    exact = _muon(exact_model, sharded_mode="exact")
-    distributed = _muon(dist_model, sharded_mode="distributed")
-    oracle_params, oracle = _oracle(fulls)
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES5, 5)
+    exact_model, dist_model = mt.sharded(mesh, fulls), mt.sharded(mesh, fulls)
+    exact = mt.sharded_muon(exact_model, sharded_mode="exact")
+    distributed = mt.sharded_muon(dist_model, sharded_mode="distributed")
+    oracle_params, oracle = mt.oracle(fulls)
     absent = {1: {0}, 2: {2}}  # step -> items without a gradient
     params = list(dist_model.parameters())
     owners: list[list[tuple[int, int]]] = []
@@ -309,10 +98,10 @@ def scenario_fluctuating_active_set(rank: int, world: int) -> dict[str, Any]:
     idle_entries_kept: list[bool] = []
     for step in range(4):
         skip = absent.get(step, set())
-        grads = _grads(SHAPES5, 17, step)
-        _assign(exact_model, grads, skip)
-        _assign(dist_model, grads, skip)
-        _assign_plain(oracle_params, grads, skip)
+        grads = mt.grads(SHAPES5, 17, step)
+        mt.assign_sharded(exact_model, grads, skip)
+        mt.assign_sharded(dist_model, grads, skip)
+        mt.assign_plain(oracle_params, grads, skip)
         idle = {
             i: {
                 k: v.clone() if isinstance(v, Tensor) else v
@@ -325,14 +114,14 @@ def scenario_fluctuating_active_set(rank: int, world: int) -> dict[str, Any]:
         distributed.step()
         oracle.step()
         idle_entries_kept.extend(
-            _same_entry(distributed.state[params[i]], entry) for i, entry in idle.items()
+            mt.same_entry(distributed.state[params[i]], entry) for i, entry in idle.items()
         )
         manifest = distributed.state_dict()["gefen"]["muon_distributed"]
         owners.append(
             [(item["saved_id"], item["owner"]) for item in manifest["groups"][0]["params"]]
         )
-        placements.append(_owned(distributed, dist_model))
-        equal.append(_bits_equal(_full(exact_model), _full(dist_model)))
+        placements.append(mt.owned(distributed, dist_model))
+        equal.append(mt.bits_equal(mt.full_params(exact_model), mt.full_params(dist_model)))
     owned = placements[-1]
     exact_params = list(exact_model.parameters())
     return {
@@ -340,26 +129,26 @@ def scenario_fluctuating_active_set(rank: int, world: int) -> dict[str, Any]:
         "placements": placements,
         "equal": equal,
         "idle_entries_kept": idle_entries_kept,
-        "oracle_diff": _max_diff(_full(dist_model), [p.detach() for p in oracle_params]),
+        "oracle_diff": mt.max_diff(mt.full_params(dist_model), [p.detach() for p in oracle_params]),
         "owned_steps": {i: distributed.state[params[i]]["step"] for i in owned},
         "owner_state_equal": [
-            _same_entry(distributed.state[params[i]], exact.state[exact_params[i]]) for i in owned
+            mt.same_entry(distributed.state[params[i]], exact.state[exact_params[i]]) for i in owned
         ],
         "global_step": distributed.global_step,
     }
 
 
 def scenario_approx(rank: int, world: int) -> dict[str, Any]:
-    mesh = _mesh(world)
-    fulls = _fulls(SHAPES3, 21)
-    approx_model, exact_model = _sharded(mesh, fulls), _sharded(mesh, fulls)
-    approx = _muon(approx_model, sharded_mode="approx")
-    exact = _muon(exact_model, sharded_mode="exact")
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES3, 21)
+    approx_model, exact_model = mt.sharded(mesh, fulls), mt.sharded(mesh, fulls)
+    approx = mt.sharded_muon(approx_model, sharded_mode="approx")
+    exact = mt.sharded_muon(exact_model, sharded_mode="exact")
     elapsed: list[float] = []
     for step in range(3):
-        grads = _grads(SHAPES3, 23, step)
-        _assign(approx_model, grads)
-        _assign(exact_model, grads)
+        grads = mt.grads(SHAPES3, 23, step)
+        mt.assign_sharded(approx_model, grads)
+        mt.assign_sharded(exact_model, grads)
         took, error, _ = timed(approx.step)
         assert error is None, error
         elapsed.append(took)
@@ -367,8 +156,8 @@ def scenario_approx(rank: int, world: int) -> dict[str, Any]:
     params = list(approx_model.parameters())
     return {
         "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in params),
-        "diff_from_exact": _max_diff(_full(approx_model), _full(exact_model)),
-        "moved": _max_diff(_full(approx_model), fulls) > 1e-3,
+        "diff_from_exact": mt.max_diff(mt.full_params(approx_model), mt.full_params(exact_model)),
+        "moved": mt.max_diff(mt.full_params(approx_model), fulls) > 1e-3,
         "local_numel": [int(p.to_local().numel()) for p in params],
         "codes_numel": [
             int(approx.state[p]["momentum_codes"].numel())
@@ -383,46 +172,46 @@ def scenario_approx(rank: int, world: int) -> dict[str, Any]:
 
 
 def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
-    mesh = _mesh(world)
-    fulls = _fulls(SHAPES5, 9)
-    model = _sharded(mesh, fulls)
-    optimizer = _muon(model, sharded_mode="distributed")
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES5, 9)
+    model = mt.sharded(mesh, fulls)
+    optimizer = mt.sharded_muon(model, sharded_mode="distributed")
     for step in range(2):
-        _assign(model, _grads(SHAPES5, 13, step))
+        mt.assign_sharded(model, mt.grads(SHAPES5, 13, step))
         optimizer.step()
     params = list(model.parameters())
-    live_owned = _owned(optimizer, model)
-    before = _snapshot(optimizer)
+    live_owned = mt.owned(optimizer, model)
+    before = mt.snapshot(optimizer)
     elapsed, error, sd = timed(optimizer.state_dict)
     assert error is None, error
     assert sd is not None
-    unchanged = _changes(optimizer, before)
+    unchanged = mt.changes(optimizer, before)
     manifest = sd["gefen"]["muon_distributed"]
     saved_owner_equal = [
-        _same_entry(sd["state"][i], optimizer.state[params[i]]) for i in live_owned
+        mt.same_entry(sd["state"][i], optimizer.state[params[i]]) for i in live_owned
     ]
-    saved_params = _full(model)
-    payload, loaded = _round_trip(sd)
+    saved_params = mt.full_params(model)
+    payload, loaded = mt.round_trip(sd)
     # Resume at world 2 from the torch.save / weights_only round trip.
-    resumed_model = _sharded(mesh, saved_params)
-    resumed = _muon(resumed_model, sharded_mode="distributed")
+    resumed_model = mt.sharded(mesh, saved_params)
+    resumed = mt.sharded_muon(resumed_model, sharded_mode="distributed")
     resumed.load_state_dict(loaded)
-    resumed_owned = _owned(resumed, resumed_model)
+    resumed_owned = mt.owned(resumed, resumed_model)
     resumed_owner_equal = all(
-        _same_entry(resumed.state[r], optimizer.state[p])
+        mt.same_entry(resumed.state[r], optimizer.state[p])
         for i, (p, r) in enumerate(zip(params, resumed_model.parameters(), strict=True))
         if i in resumed_owned
     )
     for step in range(2, 4):
-        grads = _grads(SHAPES5, 13, step)
-        _assign(model, grads)
-        _assign(resumed_model, grads)
+        grads = mt.grads(SHAPES5, 13, step)
+        mt.assign_sharded(model, grads)
+        mt.assign_sharded(resumed_model, grads)
         optimizer.step()
         resumed.step()
-    final = _full(resumed_model)
-    oracle_params, oracle = _oracle(fulls)
+    final = mt.full_params(resumed_model)
+    oracle_params, oracle = mt.oracle(fulls)
     for step in range(4):
-        _assign_plain(oracle_params, _grads(SHAPES5, 13, step))
+        mt.assign_plain(oracle_params, mt.grads(SHAPES5, 13, step))
         oracle.step()
     blob = None
     if rank == 0:
@@ -433,16 +222,16 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
         "elapsed": elapsed,
         "unchanged": unchanged,
         "manifest": manifest,
-        "mirrored": all(_same_entry(g["gefen"], sd["gefen"]) for g in sd["param_groups"]),
+        "mirrored": all(mt.same_entry(g["gefen"], sd["gefen"]) for g in sd["param_groups"]),
         "extras_keys": sorted(sd["gefen"]),
-        "digests": {i: _digest(entry) for i, entry in sd["state"].items()},
+        "digests": {i: mt.digest(entry) for i, entry in sd["state"].items()},
         "saved_owner_equal": saved_owner_equal,
         "live_owned": live_owned,
         "resumed_owned": resumed_owned,
         "resumed_owner_equal": resumed_owner_equal,
         "resumed_step": resumed.global_step,
-        "bitwise": _bits_equal(_full(model), final),
-        "oracle_diff": _max_diff(final, [p.detach() for p in oracle_params]),
+        "bitwise": mt.bits_equal(mt.full_params(model), final),
+        "oracle_diff": mt.max_diff(final, [p.detach() for p in oracle_params]),
         "blob": blob,
     }
 
@@ -450,33 +239,33 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
 def scenario_approx_rank_local_rejections(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    mesh = _mesh(world)
-    fulls = _fulls(SHAPES3, 31)
-    model = _sharded(mesh, fulls)
-    optimizer = _muon(model, sharded_mode="approx")
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES3, 31)
+    model = mt.sharded(mesh, fulls)
+    optimizer = mt.sharded_muon(model, sharded_mode="approx")
     for step in range(2):
-        _assign(model, _grads(SHAPES3, 37, step))
+        mt.assign_sharded(model, mt.grads(SHAPES3, 37, step))
         optimizer.step()
-    at_two, _ = _round_trip(optimizer.state_dict())
-    _assign(model, _grads(SHAPES3, 37, 2))
+    at_two, _ = mt.round_trip(optimizer.state_dict())
+    mt.assign_sharded(model, mt.grads(SHAPES3, 37, 2))
     optimizer.step()
-    at_three, own = _round_trip(optimizer.state_dict())
+    at_three, own = mt.round_trip(optimizer.state_dict())
     files: list[Any] = [None] * world
     dist.all_gather_object(files, at_two)
     other = torch.load(io.BytesIO(files[(rank + 1) % world]), weights_only=True)
-    before = _snapshot(optimizer)
+    before = mt.snapshot(optimizer)
     swapped = _attempt(lambda: optimizer.load_state_dict(other))
-    swapped["changes"] = _changes(optimizer, before)
+    swapped["changes"] = mt.changes(optimizer, before)
     # Rank 0 loads its own step-2 file, every other rank its own step-3 file.
     mixed = torch.load(io.BytesIO(at_two if rank == 0 else at_three), weights_only=True)
-    before = _snapshot(optimizer)
+    before = mt.snapshot(optimizer)
     steps = _attempt(lambda: optimizer.load_state_dict(mixed))
-    steps["changes"] = _changes(optimizer, before)
+    steps["changes"] = mt.changes(optimizer, before)
     # Its own file from the same step everywhere loads, and the optimizer still trains.
     optimizer.load_state_dict(own)
     loaded_step = optimizer.global_step
     previous = [p.to_local().clone() for p in model.parameters()]
-    _assign(model, _grads(SHAPES3, 37, 3))
+    mt.assign_sharded(model, mt.grads(SHAPES3, 37, 3))
     optimizer.step()
     moved = any(
         not torch.equal(a, p.to_local())
@@ -498,11 +287,11 @@ def scenario_checkpoint_binding(rank: int, world: int) -> dict[str, Any]:
     from gefen.contracts import ProcessGroupIdentity
     from gefen.dist import CheckpointProcessGroupBinding
 
-    mesh = _mesh(world)
-    fulls = _fulls(SHAPES5, 41)
-    model = _sharded(mesh, fulls)
-    optimizer = _muon(model, sharded_mode="distributed")
-    _assign(model, _grads(SHAPES5, 43, 0))
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES5, 41)
+    model = mt.sharded(mesh, fulls)
+    optimizer = mt.sharded_muon(model, sharded_mode="distributed")
+    mt.assign_sharded(model, mt.grads(SHAPES5, 43, 0))
     optimizer.step()
     identity = ProcessGroupIdentity("muon-fsdp", tuple(f"member{r}" for r in range(world)))
     group = mesh.get_group(0)
@@ -510,63 +299,63 @@ def scenario_checkpoint_binding(rank: int, world: int) -> dict[str, Any]:
     wrong = CheckpointProcessGroupBinding(identity, f"member{rank}", other_handle, "cpu")
     right = CheckpointProcessGroupBinding(identity, f"member{rank}", group, "cpu")
     sd = optimizer.state_dict()
-    before = _snapshot(optimizer)
+    before = mt.snapshot(optimizer)
     save = _attempt(lambda: optimizer.state_dict(checkpoint_binding=wrong))
-    save["changes"] = _changes(optimizer, before)
+    save["changes"] = mt.changes(optimizer, before)
     load = _attempt(lambda: optimizer.load_state_dict(sd, checkpoint_binding=wrong))
-    load["changes"] = _changes(optimizer, before)
+    load["changes"] = mt.changes(optimizer, before)
     with_right = optimizer.state_dict(checkpoint_binding=right)
     same_manifest = with_right["gefen"]["muon_distributed"] == sd["gefen"]["muon_distributed"]
     optimizer.load_state_dict(with_right, checkpoint_binding=right)
-    previous = _full(model)
-    _assign(model, _grads(SHAPES5, 43, 1))
+    previous = mt.full_params(model)
+    mt.assign_sharded(model, mt.grads(SHAPES5, 43, 1))
     optimizer.step()
     return {
         "handles_differ": other_handle is not group,
         "save": save,
         "load": load,
         "same_manifest": same_manifest,
-        "trained": (optimizer.global_step, _max_diff(previous, _full(model)) > 0),
+        "trained": (optimizer.global_step, mt.max_diff(previous, mt.full_params(model)) > 0),
     }
 
 
 def scenario_group_copies_without_top_level(rank: int, world: int) -> dict[str, Any]:
-    mesh = _mesh(world)
-    fulls = _fulls(SHAPES5, 47)
-    model = _sharded(mesh, fulls)
-    optimizer = _muon(model, sharded_mode="distributed")
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES5, 47)
+    model = mt.sharded(mesh, fulls)
+    optimizer = mt.sharded_muon(model, sharded_mode="distributed")
     for step in range(2):
-        _assign(model, _grads(SHAPES5, 53, step))
+        mt.assign_sharded(model, mt.grads(SHAPES5, 53, step))
         optimizer.step()
-    _, loaded = _round_trip(optimizer.state_dict())
+    _, loaded = mt.round_trip(optimizer.state_dict())
     del loaded["gefen"]
     in_groups = all("muon_distributed" in g["gefen"] for g in loaded["param_groups"])
-    fresh_model = _sharded(mesh, _full(model))
-    fresh = _muon(fresh_model, sharded_mode="distributed")
+    fresh_model = mt.sharded(mesh, mt.full_params(model))
+    fresh = mt.sharded_muon(fresh_model, sharded_mode="distributed")
     took, error, _ = timed(lambda: fresh.load_state_dict(loaded))
-    restored = (fresh.global_step, _same(fresh.codebook, optimizer.codebook))
+    restored = (fresh.global_step, mt.same(fresh.codebook, optimizer.codebook))
     equal: list[bool] = []
     for step in range(2, 4):
-        grads = _grads(SHAPES5, 53, step)
-        _assign(model, grads)
-        _assign(fresh_model, grads)
+        grads = mt.grads(SHAPES5, 53, step)
+        mt.assign_sharded(model, grads)
+        mt.assign_sharded(fresh_model, grads)
         optimizer.step()
         fresh.step()
-        equal.append(_bits_equal(_full(model), _full(fresh_model)))
+        equal.append(mt.bits_equal(mt.full_params(model), mt.full_params(fresh_model)))
     return {
         "in_groups": in_groups,
         "error": error,
         "elapsed": took,
         "restored": restored,
         "equal": equal,
-        "owned": _owned(fresh, fresh_model),
+        "owned": mt.owned(fresh, fresh_model),
     }
 
 
 SCENARIOS = [
     ("exact_oracle", scenario_exact_matches_oracle, ()),
-    ("dist_standard", scenario_distributed_equals_exact, ("standard",)),
-    ("dist_tuned4", scenario_distributed_equals_exact, ("tuned4",)),
+    ("dist_standard", mt.scenario_distributed_equals_exact, ("standard",)),
+    ("dist_tuned4", mt.scenario_distributed_equals_exact, ("tuned4",)),
     ("fluctuating", scenario_fluctuating_active_set, ()),
     ("approx", scenario_approx, ()),
     ("checkpoint", scenario_distributed_checkpoint, ()),
@@ -666,7 +455,7 @@ def test_distributed_save_is_collective_consolidated_and_resumes_at_world_two(
     for rank, result in enumerate(results):
         assert result["elapsed"] < DEADLINE_S
         assert result["unchanged"] == []  # saving mutates nothing (state stays on owners)
-        assert result["manifest"] == _expected_manifest(SHAPES5, WORLD)
+        assert result["manifest"] == mt.expected_manifest(SHAPES5, WORLD)
         assert "muon_distributed" in result["extras_keys"]
         assert result["mirrored"]
         owned = [i for i in range(len(SHAPES5)) if i % WORLD == rank]
@@ -691,21 +480,21 @@ def test_distributed_save_resumes_in_one_process_without_torch_distributed(
     blob = world["checkpoint"][0]["blob"]
     saved = torch.load(io.BytesIO(blob), weights_only=True)
     sd = torch.load(io.BytesIO(saved["payload"]), weights_only=True)
-    params, optimizer = _oracle(saved["saved"], sharded_mode="distributed")
+    params, optimizer = mt.oracle(saved["saved"], sharded_mode="distributed")
     optimizer.load_state_dict(sd)
     assert optimizer.global_step == 2
     assert all(optimizer.state[p]["step"] == 2 for p in params)  # every entry kept (no owners)
     for step in range(2, 4):
-        _assign_plain(params, _grads(SHAPES5, 13, step))
+        mt.assign_plain(params, mt.grads(SHAPES5, 13, step))
         optimizer.step()
-    oracle_params, oracle = _oracle(_fulls(SHAPES5, 9))
+    oracle_params, oracle = mt.oracle(mt.fulls(SHAPES5, 9))
     for step in range(4):
-        _assign_plain(oracle_params, _grads(SHAPES5, 13, step))
+        mt.assign_plain(oracle_params, mt.grads(SHAPES5, 13, step))
         oracle.step()
     resumed = [p.detach() for p in params]
-    assert _max_diff(resumed, [p.detach() for p in oracle_params]) <= 1e-3
-    assert _max_diff(resumed, saved["final"]) <= 1e-3
-    assert _max_diff(resumed, saved["saved"]) > 1e-3  # it stepped
+    assert mt.max_diff(resumed, [p.detach() for p in oracle_params]) <= 1e-3
+    assert mt.max_diff(resumed, saved["final"]) <= 1e-3
+    assert mt.max_diff(resumed, saved["saved"]) > 1e-3  # it stepped
 
 
 def test_approx_rank_local_files_are_refused_on_every_rank(world: ScenarioWorld) -> None:

@@ -12,239 +12,21 @@ children can load them by reference; they return plain data.
 
 from __future__ import annotations
 
-import hashlib
-import io
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pytest
-import torch
-from torch import Tensor, nn
 
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
+from gefen.muon import testing as mt
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
 WORLD = 4
 DEADLINE_S = 10.0  # liveness bound of one collective checkpoint operation
-OPTIONS: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "ns_steps": 1, "fused": False}
 SHAPES5 = [(8, 6), (1, 8), (5, 4), (1, 4), (6, 8)]  # (1, 8): only rank 0 holds a row
-CODEBOOK8_KEYS = ["momentum_codes", "momentum_scale", "period", "step"]
-
-
-# --- helpers (run inside the ranks and, for the one-process checks, in the parent) ----------
-
-
-def _fulls(shapes: Sequence[tuple[int, int]], seed: int) -> list[Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator) for shape in shapes]
-
-
-def _grads(shapes: Sequence[tuple[int, int]], seed: int, step: int) -> list[Tensor]:
-    return _fulls(shapes, 1000 * seed + step)
-
-
-def _mesh(world: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (world,))
-
-
-def _sharded(mesh: Any, fulls: Sequence[Tensor]) -> nn.Module:
-    """Bias-free Linear layers holding ``fulls``, each ``fully_shard``-ed on ``mesh``."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = [nn.Linear(full.shape[1], full.shape[0], bias=False) for full in fulls]
-    with torch.no_grad():
-        for layer, full in zip(layers, fulls, strict=True):
-            layer.weight.copy_(full)
-    model = nn.Sequential(*layers)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _muon(model: nn.Module, **overrides: Any) -> Any:
-    from gefen.muon import GefenMuon
-
-    return GefenMuon(model.named_parameters(), **{**OPTIONS, **overrides})
-
-
-def _oracle(fulls: Sequence[Tensor], **overrides: Any) -> tuple[list[nn.Parameter], Any]:
-    from gefen.muon import GefenMuon
-
-    params = [nn.Parameter(full.clone()) for full in fulls]
-    return params, GefenMuon(params, **{**OPTIONS, **overrides})
-
-
-def _assign(model: nn.Module, grads: Sequence[Tensor], skip: Iterable[int] = ()) -> None:
-    """Shard(0) gradients on every rank; ``skip`` items are then cleared (§11)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    absent = set(skip)
-    for index, (param, grad) in enumerate(zip(model.parameters(), grads, strict=True)):
-        param.grad = distribute_tensor(grad.clone(), param.device_mesh, [Shard(0)])
-        if index in absent:
-            param.grad = None
-
-
-def _assign_plain(
-    params: Sequence[nn.Parameter], grads: Sequence[Tensor], skip: Iterable[int] = ()
-) -> None:
-    absent = set(skip)
-    for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        param.grad = None if index in absent else grad.clone()
-
-
-def _full(model: nn.Module) -> list[Tensor]:
-    """The logical parameters (collective: every rank calls it)."""
-    return [param.full_tensor().detach().clone() for param in model.parameters()]
-
-
-def _max_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
-    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
-
-
-def _bits_equal(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
-    return all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return (
-            isinstance(a, Tensor)
-            and isinstance(b, Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    return type(a) is type(b) and a == b
-
-
-def _same_entry(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return sorted(a) == sorted(b) and all(_same(a[key], b[key]) for key in a)
-
-
-def _digest(entry: dict[str, Any]) -> str:
-    """A content digest of one state entry (tensors by dtype, shape and bytes)."""
-    sha = hashlib.sha256()
-    for key in sorted(entry):
-        value = entry[key]
-        sha.update(key.encode())
-        if isinstance(value, Tensor):
-            sha.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        else:
-            sha.update(repr(value).encode())
-    return sha.hexdigest()
-
-
-def _owned(optimizer: Any, model: nn.Module) -> list[int]:
-    return [i for i, p in enumerate(model.parameters()) if "step" in optimizer.state[p]]
-
-
-def _snapshot(optimizer: Any) -> Any:
-    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
-    from gefen.dist.testing import deep_snapshot
-
-    return deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
-
-
-def _changes(optimizer: Any, before: Any) -> list[str]:
-    from gefen.dist.testing import snapshot_diff
-
-    return snapshot_diff(before, _snapshot(optimizer))
-
-
-def _round_trip(sd: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    buffer = io.BytesIO()
-    torch.save(sd, buffer)
-    payload = buffer.getvalue()
-    return payload, torch.load(io.BytesIO(payload), weights_only=True)
-
-
-def _expected_manifest(shapes: Sequence[tuple[int, int]], world: int) -> dict[str, Any]:
-    params = [
-        {
-            "saved_id": index,
-            "name": f"{index}.weight",
-            "shape": list(shape),
-            "owner": index % world,
-            "state_keys": CODEBOOK8_KEYS,
-            "initialized": True,
-        }
-        for index, shape in enumerate(shapes)
-    ]
-    return {
-        "version": 1,
-        "ownership": "stable_index_mod_world",
-        "consolidated": True,
-        "groups": [{"world_size": world, "params": params}],
-    }
 
 
 # --- scenarios ---------------------------------------------------------------------------------
-
-
-def scenario_distributed_equals_exact(rank: int, world: int, schedule: str) -> dict[str, Any]:
-    mesh = _mesh(world)
-    extra: dict[str, Any] = (
-        {"ns_schedule": "standard", "ns_steps": 1}
-        if schedule == "standard"
-        else {"ns_schedule": schedule}
-    )
-    fulls = _fulls(SHAPES5, 3)
-    exact_model, dist_model = _sharded(mesh, fulls), _sharded(mesh, fulls)
-    exact = _muon(exact_model, sharded_mode="exact", **extra)
-    distributed = _muon(dist_model, sharded_mode="distributed", **extra)
-    oracle_params, oracle = _oracle(fulls, **extra)
-    equal: list[bool] = []
-    for step in range(3):
-        grads = _grads(SHAPES5, 11, step)
-        _assign(exact_model, grads)
-        _assign(dist_model, grads)
-        _assign_plain(oracle_params, grads)
-        exact.step()
-        distributed.step()
-        oracle.step()
-        equal.append(_bits_equal(_full(exact_model), _full(dist_model)))
-    final = _full(dist_model)
-    pairs = list(zip(exact_model.parameters(), dist_model.parameters(), strict=True))
-    owned = _owned(distributed, dist_model)
-    return {
-        "equal": equal,
-        "moved": _max_diff(final, fulls) > 1e-3,
-        "oracle_diff": _max_diff(final, [p.detach() for p in oracle_params]),
-        "owned": owned,
-        "owner_state_equal": [
-            _same_entry(distributed.state[d], exact.state[e])
-            for i, (e, d) in enumerate(pairs)
-            if i in owned
-        ],
-        "non_owner_keys": sorted(
-            {
-                key
-                for i, (_, d) in enumerate(pairs)
-                if i not in owned
-                for key in distributed.state[d]
-            }
-        ),
-        "local_rows": [int(d.to_local().shape[0]) for _, d in pairs],
-        "owned_steps": {
-            i: distributed.state[d]["step"] for i, (_, d) in enumerate(pairs) if i in owned
-        },
-        "owned_numel": {
-            i: int(distributed.state[d]["momentum_codes"].numel())
-            for i, (_, d) in enumerate(pairs)
-            if i in owned
-        },
-        "ns_steps": distributed.param_groups[0]["ns_steps"],
-        "global_step": (exact.global_step, distributed.global_step),
-    }
 
 
 def scenario_world2_save_resumes_at_world4(rank: int, world: int) -> dict[str, Any]:
@@ -252,64 +34,64 @@ def scenario_world2_save_resumes_at_world4(rank: int, world: int) -> dict[str, A
 
     pairs = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pair", "member"))
     pair_mesh = pairs["member"]  # ranks {0, 1} or {2, 3}: a 2-rank process group
-    fulls = _fulls(SHAPES5, 59)
-    pair_model = _sharded(pair_mesh, fulls)
-    pair = _muon(pair_model, sharded_mode="distributed")
+    fulls = mt.fulls(SHAPES5, 59)
+    pair_model = mt.sharded(pair_mesh, fulls)
+    pair = mt.sharded_muon(pair_model, sharded_mode="distributed")
     for step in range(2):
-        _assign(pair_model, _grads(SHAPES5, 61, step))
+        mt.assign_sharded(pair_model, mt.grads(SHAPES5, 61, step))
         pair.step()
-    before = _snapshot(pair)
+    before = mt.snapshot(pair)
     save_s, save_error, sd = timed(pair.state_dict)
     assert save_error is None, save_error
     assert sd is not None
-    save_changes = _changes(pair, before)
-    saved_params = _full(pair_model)
-    _, loaded = _round_trip(sd)
-    model = _sharded(_mesh(world), saved_params)
-    optimizer = _muon(model, sharded_mode="distributed")
+    save_changes = mt.changes(pair, before)
+    saved_params = mt.full_params(pair_model)
+    _, loaded = mt.round_trip(sd)
+    model = mt.sharded(mt.mesh_1d(world), saved_params)
+    optimizer = mt.sharded_muon(model, sharded_mode="distributed")
     load_s, load_error, _ = timed(lambda: optimizer.load_state_dict(loaded))
-    owned = _owned(optimizer, model)
+    owned = mt.owned(optimizer, model)
     params = list(model.parameters())
     owner_entries_equal = [
-        _same_entry(optimizer.state[params[i]], loaded["state"][i]) for i in owned
+        mt.same_entry(optimizer.state[params[i]], loaded["state"][i]) for i in owned
     ]
     non_owner_keys = sorted(
         {key for i, p in enumerate(params) if i not in owned for key in optimizer.state[p]}
     )
     loaded_step = optimizer.global_step
     for step in range(2, 4):
-        grads = _grads(SHAPES5, 61, step)
-        _assign(pair_model, grads)
-        _assign(model, grads)
+        grads = mt.grads(SHAPES5, 61, step)
+        mt.assign_sharded(pair_model, grads)
+        mt.assign_sharded(model, grads)
         pair.step()
         optimizer.step()
-    final = _full(model)
-    oracle_params, oracle = _oracle(fulls)
+    final = mt.full_params(model)
+    oracle_params, oracle = mt.oracle(fulls)
     for step in range(4):
-        _assign_plain(oracle_params, _grads(SHAPES5, 61, step))
+        mt.assign_plain(oracle_params, mt.grads(SHAPES5, 61, step))
         oracle.step()
     return {
         "pair_ranks": [int(r) for r in pair_mesh.mesh.flatten().tolist()],
         "saved_manifest": sd["gefen"]["muon_distributed"],
         "save": (save_s, save_changes),
-        "digests": {i: _digest(entry) for i, entry in sd["state"].items()},
+        "digests": {i: mt.digest(entry) for i, entry in sd["state"].items()},
         "load": (load_s, load_error),
         "loaded_step": loaded_step,
         "owned": owned,
         "owner_entries_equal": owner_entries_equal,
         "non_owner_keys": non_owner_keys,
         "local_rows": [int(p.to_local().shape[0]) for p in params],
-        "oracle_diff": _max_diff(final, [p.detach() for p in oracle_params]),
-        "pair_diff": _max_diff(final, _full(pair_model)),
-        "moved": _max_diff(final, saved_params) > 1e-3,
+        "oracle_diff": mt.max_diff(final, [p.detach() for p in oracle_params]),
+        "pair_diff": mt.max_diff(final, mt.full_params(pair_model)),
+        "moved": mt.max_diff(final, saved_params) > 1e-3,
         "manifest": optimizer.state_dict()["gefen"]["muon_distributed"],
         "global_step": optimizer.global_step,
     }
 
 
 SCENARIOS = [
-    ("dist_standard", scenario_distributed_equals_exact, ("standard",)),
-    ("dist_tuned4", scenario_distributed_equals_exact, ("tuned4",)),
+    ("dist_standard", mt.scenario_distributed_equals_exact, ("standard",)),
+    ("dist_tuned4", mt.scenario_distributed_equals_exact, ("tuned4",)),
     ("resume", scenario_world2_save_resumes_at_world4, ()),
 ]
 
@@ -350,7 +132,7 @@ def test_world_two_distributed_save_resumes_at_world_four(world: ScenarioWorld) 
     results = world["resume"]
     assert [r["pair_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for rank, result in enumerate(results):
-        assert result["saved_manifest"] == _expected_manifest(SHAPES5, 2)
+        assert result["saved_manifest"] == mt.expected_manifest(SHAPES5, 2)
         save_s, save_changes = result["save"]
         assert save_s < DEADLINE_S
         assert save_changes == []
@@ -366,7 +148,7 @@ def test_world_two_distributed_save_resumes_at_world_four(world: ScenarioWorld) 
         assert result["moved"]
         assert result["oracle_diff"] <= 1e-3
         assert result["pair_diff"] <= 1e-3  # agrees with the world-2 run continued in place
-        assert result["manifest"] == _expected_manifest(SHAPES5, WORLD)
+        assert result["manifest"] == mt.expected_manifest(SHAPES5, WORLD)
         assert result["global_step"] == 4
     # Both pairs saved the same consolidated content, and every member holds every entry.
     assert all(r["digests"] == results[0]["digests"] for r in results)
