@@ -80,6 +80,34 @@ def test_quantizers_agree_with_the_searchsorted_reference(
     values = _hard_values(codebook).clamp(-1, 1)
     fast_nearest = nearest_index(codebook, values)
     fast_stochastic = stochastic_index(codebook, values, seed=(3, 1))
+    # The reference run: no bucket table and no bucketed count, searchsorted only.
+    monkeypatch.setattr(quantize_module, "_nearest_tabled", lambda codebook, values: None)
     monkeypatch.setattr(quantize_module, "_neighbours", _reference_neighbours)
     assert torch.equal(fast_nearest, nearest_index(codebook, values))
     assert torch.equal(fast_stochastic, stochastic_index(codebook, values, seed=(3, 1)))
+
+
+def test_the_bucket_table_resolves_most_values_and_defers_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The table path is taken (and is not the reference in disguise): values in unresolved
+    buckets, and only those, reach the reference rule."""
+    codebook = _learned(7, 2000)
+    values = _hard_values(codebook).clamp(-1, 1)
+    deferred: list[int] = []
+    real = quantize_module._nearest_reference
+
+    def counting(cb: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
+        deferred.append(subset.numel())
+        return real(cb, subset)
+
+    monkeypatch.setattr(quantize_module, "_nearest_reference", counting)
+    quantize_module._TABLE_CACHE.clear()
+    quantize_module._nearest_table(codebook)  # building the table uses the reference
+    deferred.clear()
+    got = quantize_module._nearest_tabled(codebook, values)
+    assert got is not None
+    assert len(deferred) == 1
+    assert 0 < deferred[0] < values.numel() // 10
+    monkeypatch.setattr(quantize_module, "_nearest_reference", real)
+    assert torch.equal(got, real(codebook, values))
