@@ -151,7 +151,9 @@ def refresh(opt: OptimizerShell) -> bool:
     """The refresh transaction of §5.6 / §9.5 on demand; True iff the codebook was replaced."""
     op = _voted_preamble(opt, PHASE_REFRESH_PREAMBLE, opt._refresh_preamble, OP_REFRESH)
     with torch.no_grad():
-        refreshed = _refreshed(opt, op, opt._codebook_inputs(op), {})
+        # The scoped refresh reads the finalized shards itself; only the unscoped one needs inputs.
+        inputs = [] if _scoped(opt, op) else opt._codebook_inputs(op)
+        refreshed = _refreshed(opt, op, inputs, {})
     if refreshed is None:
         return False
     codebook, codes = refreshed
