@@ -1,5 +1,5 @@
 """Shared pieces of ``compare.py`` and ``micro.py``: building each optimizer, counting its state
-bytes, and describing the environment."""
+bytes, measuring the extra memory of its ``step()``, and describing the environment."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import platform
 import resource
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -185,6 +186,124 @@ def peak_rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
+# glibc serves every allocation of at least this many bytes with its own mmap and unmaps it on
+# free, so RSS follows live memory instead of the heap's retained high-water mark. glibc reads the
+# variable only at process start: it goes into each measuring worker's environment.
+MMAP_THRESHOLD = "65536"
+MMAP_THRESHOLD_VAR = "MALLOC_MMAP_THRESHOLD_"
+
+STEP_MEMORY_METHOD = (
+    "max over the measured steps of (peak during optimizer.step() - resident just before it). "
+    "CPU: VmHWM from /proc/self/status after resetting it by writing 5 to /proc/self/clear_refs "
+    "right before step(), minus VmRSS read right after the reset, in a worker process started "
+    f"with {MMAP_THRESHOLD_VAR}={MMAP_THRESHOLD}; CUDA: torch.cuda.max_memory_allocated after "
+    "reset_peak_memory_stats, minus memory_allocated before"
+)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker whose step memory is measured (see MMAP_THRESHOLD)."""
+    return {**os.environ, MMAP_THRESHOLD_VAR: MMAP_THRESHOLD}
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    """VmHWM := the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")
+
+
+class StepMemory:
+    """The extra memory ``optimizer.step()`` needs beyond what is resident when it starts: wrap
+    each measured step in ``before()`` / ``after()``; ``extra`` is the largest of them (bytes),
+    or None with ``reason`` saying why it cannot be measured here."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.extra: int | None = None
+        self.steps = 0
+        self.reason: str | None = None if self.cuda else self._cpu_unusable()
+        self._base = 0
+
+    @staticmethod
+    def _cpu_unusable() -> str | None:
+        if os.environ.get(MMAP_THRESHOLD_VAR) != MMAP_THRESHOLD:
+            # Without it, freed blocks stay in the heap: RSS shows retained, not live, memory.
+            return f"{MMAP_THRESHOLD_VAR}={MMAP_THRESHOLD} is not set in this process"
+        try:
+            _reset_peak_rss()
+            _status_bytes("VmHWM")
+        except OSError as error:
+            return f"peak RSS cannot be reset here (/proc/self/clear_refs: {error}); needs Linux"
+        return None
+
+    def before(self) -> None:
+        if self.reason is not None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            _reset_peak_rss()
+            self._base = _status_bytes("VmRSS")
+
+    def after(self) -> None:
+        if self.reason is not None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = _status_bytes("VmHWM")
+        extra = max(0, peak - self._base)  # RSS counters are approximate by a few pages
+        self.extra = extra if self.extra is None else max(self.extra, extra)
+        self.steps += 1
+
+    def fields(self, parameters: int) -> dict[str, Any]:
+        """The JSON fields of a result row."""
+        reason = self.reason
+        if reason is None and self.extra is None:
+            reason = "no step was measured"
+        return {
+            "step_extra_bytes": self.extra,
+            "step_extra_bytes_per_param": None if self.extra is None else self.extra / parameters,
+            "step_extra_bytes_reason": reason,
+            "step_extra_measured_steps": self.steps,
+        }
+
+
+def timed_step(optimizer: Any, meter: StepMemory | None = None) -> float:
+    """Seconds of one ``optimizer.step()``; ``meter`` brackets it outside the timed span."""
+    if meter is not None:
+        meter.before()
+    begin = time.perf_counter()
+    optimizer.step()
+    seconds = time.perf_counter() - begin
+    if meter is not None:
+        meter.after()
+    return seconds
+
+
+def print_targets(title: str, goals: list[dict[str, Any]]) -> None:
+    """Target rows (``what``, ``target``, ``value``, ``met``, ``note``) as met / NOT MET lines."""
+    print()
+    print(title)
+    for goal in goals:
+        verdict = {True: "met", False: "NOT MET", None: "not measured"}[goal["met"]]
+        value = "-" if goal["value"] is None else format(goal["value"], ".4g")
+        print(f"  [{verdict:^12}] {goal['what']}: {value} (need {goal['target']}; {goal['note']})")
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
@@ -226,3 +345,11 @@ def environment(threads: int) -> dict[str, Any]:
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),  # type: ignore[no-untyped-call]
     }
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` (Dynamo) built in this process so far: the optimizer's fused
+    kernels, or a peer's compiled step."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

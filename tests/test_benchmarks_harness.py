@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,23 @@ _MISSING = [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(
 pytestmark = pytest.mark.skipif(
     bool(_MISSING), reason=f"the harness needs {', '.join(_MISSING)} (not installed here)"
 )
+
+
+def assert_step_fields(row: dict[str, Any]) -> None:
+    """The first step's time, and the step's extra memory: a number, or None with a reason."""
+    assert isinstance(row["step_ms_first"], float)
+    assert row["step_ms_first"] > 0
+    extra = row["step_extra_bytes_per_param"]
+    if extra is None:
+        assert row["step_extra_bytes"] is None
+        assert isinstance(row["step_extra_bytes_reason"], str)
+        assert row["step_extra_bytes_reason"]
+    else:
+        assert isinstance(extra, (int, float))
+        assert extra >= 0
+        assert isinstance(row["step_extra_bytes"], int)
+        assert row["step_extra_bytes_reason"] is None
+        assert row["step_extra_measured_steps"] >= 1
 
 
 def test_compare_tiny_run_writes_results_and_report(tmp_path: pathlib.Path) -> None:
@@ -41,6 +59,8 @@ def test_compare_tiny_run_writes_results_and_report(tmp_path: pathlib.Path) -> N
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "met" in completed.stdout  # the targets are printed
+    assert "first ms" in completed.stdout
+    assert "extra B/p" in completed.stdout
 
     document = json.loads((out / "results.json").read_text())
     assert document["config"]["steps"] == 3
@@ -54,24 +74,28 @@ def test_compare_tiny_run_writes_results_and_report(tmp_path: pathlib.Path) -> N
             assert row[key] > 0
         assert len(row["loss_curve"]) == 3
         assert row["eval_curve"]
+        assert_step_fields(row)
     assert rows["adamw"]["step_time_ratio_vs_adamw"] == pytest.approx(1.0)
     assert rows["gefen"]["step_time_ratio_vs_adamw"] > 0
     # AdamW keeps two fp32 moments (8 bytes/param) plus a step counter per tensor.
     assert 8.0 <= rows["adamw"]["state_bytes_per_param"] < 8.1
     assert 0 < rows["gefen"]["state_bytes_per_param"] < 2
-    assert [goal["what"] for goal in document["targets"]]
+    goals = {goal["what"]: goal for goal in document["targets"]}
+    assert goals["Gefen step time vs fused AdamW"]["target"] == "<= 3.0x"
+    assert "GefenMuonHybrid (Gefen backup) step time vs torch Muon + AdamW" in goals
+    assert "step_memory" in document["config"]
 
     png = out / "report.png"
     assert png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_micro_one_size_writes_json(tmp_path: pathlib.Path) -> None:
+def test_micro_small_cases_write_json(tmp_path: pathlib.Path) -> None:
     command = [
         sys.executable,
         str(ROOT / "benchmarks" / "micro.py"),
         "--sizes",
-        "1M",
+        "2x128",  # one small stack of matrices: each (optimizer, case) is its own subprocess
         "--optimizers",
         "adamw,gefen",
         "--repeats",
@@ -86,8 +110,33 @@ def test_micro_one_size_writes_json(tmp_path: pathlib.Path) -> None:
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     document = json.loads((tmp_path / "micro.json").read_text())
-    rows = {row["optimizer"]: row for row in document["results"]}
-    assert set(rows) == {"adamw", "gefen"}
-    assert all(row["numel"] == 1 << 20 and row["step_ms_median"] > 0 for row in rows.values())
+    rows = {(row["optimizer"], row["case"]): row for row in document["results"]}
+    assert set(rows) == {("adamw", "2x128"), ("gefen", "2x128")}
+    for row in rows.values():
+        assert row["step_ms_median"] > 0
+        assert (row["numel"], row["tensors"], row["shape"]) == (2 * 128 * 128, 2, [128, 128])
+        assert_step_fields(row)
+    for header in ("first ms", "extra B/p", "targets:"):
+        assert header in completed.stdout
+    goals = {goal["what"]: goal for goal in document["targets"]}
+    assert goals["Gefen step extra memory, 4x2048"]["met"] is None  # that case did not run
     assert document["codebook"]["histogram_active_bins"] > 0
     assert document["codebook"]["solve_4096_active_bins_s"] > 0
+
+
+def test_micro_case_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # micro.py imports harness as a sibling
+    spec = importlib.util.spec_from_file_location("micro", ROOT / "benchmarks" / "micro.py")
+    assert spec is not None
+    assert spec.loader is not None
+    micro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(micro)
+    assert micro.case_shapes("1M", "adamw") == [(1 << 20,)]
+    assert micro.case_shapes("16M", "gefen") == [(1 << 24,)]
+    assert micro.case_shapes("1M", "muon") == [(1024, 1024)]
+    assert micro.case_shapes("16M", "gefen_muon_gefen") == [(4096, 4096)]
+    for name in ("adamw", "gefen", "muon", "gefen_muon_gefen"):
+        assert micro.case_shapes("4x2048", name) == [(2048, 2048)] * 4
+    assert "4x2048" in micro.DEFAULT_SIZES.split(",")
+    with pytest.raises(ValueError, match="unknown size"):
+        micro.case_shapes("3M", "adamw")

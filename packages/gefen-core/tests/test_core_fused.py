@@ -1,13 +1,13 @@
-"""The fused-implementation registry with test-only registrations (10-core.md §11; §12 #45, #56)."""
+"""The fused-implementation registry and its selection (10-core.md §11; §12 #45, #56)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import gefen.core.fused as fused_module
 from gefen.core import Gefen
-from gefen.core.fused import FusedImplementation, register_fused
-from gefen.core.kernels import update_block, update_factored
+from gefen.core.fused import FusedImplementation, eager_update_, register_fused
 
 
 def _registration(name: str, compile_fn, *, deterministic: bool = True) -> FusedImplementation:
@@ -37,12 +37,14 @@ def _run(**options) -> torch.Tensor:
 
 def test_registered_wrapper_of_the_eager_path_is_used_and_equal() -> None:
     used = []
+    keys = []
 
-    def compile_wrapper():
-        def kernel(*args, **kwargs):
+    def compile_wrapper(key):
+        keys.append(key)
+
+        def kernel(*args):
             used.append(1)
-            factored = len(args) == 5
-            return (update_factored if factored else update_block)(*args, **kwargs)
+            eager_update_(*args)
 
         return kernel
 
@@ -50,6 +52,7 @@ def test_registered_wrapper_of_the_eager_path_is_used_and_equal() -> None:
     try:
         fused = _run(fused=True)
         assert used
+        assert sorted(key[3] for key in keys) == ["block", "factored"]  # one compile per key
         used.clear()
         eager = _run(fused=False)
         assert not used
@@ -58,10 +61,11 @@ def test_registered_wrapper_of_the_eager_path_is_used_and_equal() -> None:
     assert torch.equal(fused, eager)
 
 
+@pytest.mark.fused_default
 def test_fused_false_never_compiles_and_none_falls_back_with_one_warning() -> None:
     compiled = []
 
-    def broken():
+    def broken(key):
         compiled.append(1)
         raise RuntimeError("no compiler here")
 
@@ -77,12 +81,34 @@ def test_fused_false_never_compiles_and_none_falls_back_with_one_warning() -> No
     assert torch.equal(result, _run(fused=False, factored_v_2d=False))
 
 
-def test_deterministic_excludes_non_deterministic_kernels() -> None:
+def test_fused_true_compile_failure_raises_before_anything_changes(rejects) -> None:
+    def broken(key):
+        raise RuntimeError("no compiler here")
+
+    unregister = register_fused(_registration("test-broken", broken))
+    try:
+        p = torch.nn.Parameter(torch.randn(16, 8))
+        optimizer = Gefen([p], fused=True)
+        p.grad = torch.randn(16, 8)
+        rejects(
+            optimizer,
+            optimizer.step,
+            RuntimeError,
+            "fused implementation failed to compile",
+            check_training=False,
+        )
+    finally:
+        unregister()
+
+
+@pytest.mark.fused_default
+def test_deterministic_excludes_non_deterministic_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])
     compiled = []
 
-    def compile_fn():
+    def compile_fn(key):
         compiled.append(1)
-        return update_block
+        return eager_update_
 
     unregister = register_fused(_registration("test-nondet", compile_fn, deterministic=False))
     try:
@@ -94,6 +120,12 @@ def test_deterministic_excludes_non_deterministic_kernels() -> None:
         unregister()
 
 
-def test_fused_true_without_registration_fails_at_construction() -> None:
+def test_fused_true_without_registration_fails_at_construction(monkeypatch) -> None:
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])
     with pytest.raises(RuntimeError, match="no fused implementation"):
         Gefen([torch.nn.Parameter(torch.ones(3))], fused=True)
+
+
+def test_the_inductor_implementation_is_registered_for_cpu_and_cuda() -> None:
+    names = {(impl.name, impl.device_type) for impl in fused_module._REGISTRY}
+    assert {("inductor", "cpu"), ("inductor", "cuda")} <= names

@@ -43,7 +43,6 @@ WIDE_CASES = [
     ),
     ({"momentum_codec": "none", "stochastic_round": True}, ValueError, "requires momentum_codec"),
     ({"fused": "yes"}, TypeError, "fused"),
-    ({"fused": True}, RuntimeError, "no fused implementation"),
 ]
 
 

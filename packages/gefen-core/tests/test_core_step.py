@@ -105,7 +105,7 @@ def test_refresh_remaps_codes_and_keeps_magnitudes() -> None:
     assert optimizer.refresh_codebook() is False  # empty histogram
 
 
-def test_refresh_failure_while_staging_second_parameter_changes_nothing(
+def test_refresh_failure_while_staging_the_remap_table_changes_nothing(
     monkeypatch, rejects
 ) -> None:
     a, b = _p(16, 8), _p(32, seed=1)
@@ -114,20 +114,45 @@ def test_refresh_failure_while_staging_second_parameter_changes_nothing(
     optimizer.step()
     import gefen.core.codebook_ops as shell
 
-    real = shell.remap_codes
-    calls = []
+    real = shell.remap_table
 
     def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise MemoryError("injected")
-        return real(*args, **kwargs)
+        raise MemoryError("injected")
 
-    monkeypatch.setattr(shell, "remap_codes", failing)
+    monkeypatch.setattr(shell, "remap_table", failing)
     rejects(optimizer, optimizer.refresh_codebook, MemoryError, "injected", check_training=False)
     assert not optimizer._commit_failed
-    monkeypatch.setattr(shell, "remap_codes", real)
+    monkeypatch.setattr(shell, "remap_table", real)
     assert optimizer.refresh_codebook() is True
+
+
+def test_refresh_stages_only_the_256_entry_table(monkeypatch) -> None:
+    # §5.6 step 3 / §7.1 phase 4: no code tensor is copied while staging.
+    a, b = _p(64, 32), _p(96, seed=1)
+    optimizer = Gefen([a, b], codebook_refresh_every=2)
+    for seed in range(2):
+        a.grad, b.grad = _grad(a, seed), _grad(b, seed + 50)
+        optimizer.step()
+    codes_before = {p: optimizer.state[p]["momentum_codes"] for p in (a, b)}
+    plans = []
+    original = Gefen._prepare_step
+
+    def spy(self, operation, learning):
+        plan = original(self, operation, learning)
+        plans.append((learning, plan))
+        return plan
+
+    monkeypatch.setattr(Gefen, "_prepare_step", spy)
+    a.grad, b.grad = _grad(a, 7), _grad(b, 8) ** 3
+    optimizer.step()
+    learning, plan = plans[0]
+    assert learning.remap is not None and learning.remap.shape == (256,)
+    staged_tensors = [
+        value for item in plan for value in vars(item).values() if isinstance(value, torch.Tensor)
+    ]
+    assert all(t is a or t is b for t in staged_tensors)  # only the parameters themselves
+    for p in (a, b):  # codes were rewritten in their own storage
+        assert optimizer.state[p]["momentum_codes"] is codes_before[p]
 
 
 def _fp32(value: float) -> float:
@@ -205,11 +230,11 @@ def test_periodic_refresh_codes_equal_brute_force_oracle(monkeypatch) -> None:
         optimizer.step()
     old_codebook = optimizer.codebook.clone()
     old_codes = {p: optimizer.state[p]["momentum_codes"].clone() for p in (a, b)}
-    staged: list[dict[int, torch.Tensor]] = []
+    staged: list[torch.Tensor] = []
     original = Gefen._prepare_step
 
     def spy(self, operation, learning):
-        staged.append({index: codes.clone() for index, codes in learning.codes.items()})
+        staged.append(learning.remap.clone())
         return original(self, operation, learning)
 
     monkeypatch.setattr(Gefen, "_prepare_step", spy)
@@ -219,11 +244,10 @@ def test_periodic_refresh_codes_equal_brute_force_oracle(monkeypatch) -> None:
     new_codebook = optimizer.codebook
     assert not torch.equal(new_codebook, old_codebook)
     oracle = _oracle_remap(old_codebook, new_codebook)
-    assert set(staged[0]) == {0, 1}
+    assert torch.equal(staged[0].to(torch.uint8), oracle.to(torch.uint8))
     expected = {p: oracle[old_codes[p].long()].to(torch.uint8) for p in (a, b)}
-    for index, p in enumerate((a, b)):
+    for p in (a, b):
         _assert_remap_is_nontrivial(oracle, old_codes[p])
-        assert torch.equal(staged[0][index], expected[p])
     assert torch.equal(optimizer.state[a]["momentum_codes"], expected[a])
 
 

@@ -19,11 +19,12 @@ from gefen.core.learning import (
     StagedLearning,
     any_nonzero_agreed,
     build_histogram,
-    remap_codes,
+    remap_codes_,
+    remap_table,
     solve_new_codebook,
     stage_periods,
 )
-from gefen.core.scoped import scoped_learn, scoped_refresh_codes
+from gefen.core.scoped import scoped_learn, scoped_refresh_table
 from gefen.dist import PHASE_INITIALIZE_PREAMBLE, PHASE_REFRESH_PREAMBLE, GuardedOperation
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_INITIALIZE, OP_REFRESH
 
@@ -66,26 +67,20 @@ def _refreshed(
     op: GuardedOperation,
     inputs: list[CodebookInput],
     staged: Mapping[int, int],
-) -> tuple[Tensor, dict[int, Tensor]] | None:
-    """§5.6 steps 1–3: a new codebook and every remapped code tensor, or None (empty)."""
+) -> tuple[Tensor, Tensor] | None:
+    """§5.6 steps 1–3: a new codebook and the 256-entry remap table, or None (empty)."""
     current = opt.codebook
     assert current is not None
     if _scoped(opt, op):
         learned = scoped_learn(opt, op, stage_periods=False)
         if learned is None or learned.codebook is None:
             return None
-        return learned.codebook, scoped_refresh_codes(opt, op, learned.codebook)
+        return learned.codebook, scoped_refresh_table(opt, op, learned.codebook)
     counts = build_histogram(inputs, {**_live_periods(opt), **staged})
     if not bool(counts.sum().item() > 0):
         return None
     new_codebook = solve_new_codebook(counts, current.device)
-    key = opt.CODEC_KEYS.codes
-    remapped = {
-        index: remap_codes(current, new_codebook, opt.state[param][key])
-        for index, _, param in opt._indexed()
-        if key in opt.state[param]
-    }
-    return new_codebook, remapped
+    return new_codebook, remap_table(current, new_codebook)
 
 
 def _scoped(opt: OptimizerShell, op: GuardedOperation) -> bool:
@@ -108,17 +103,21 @@ def stage_step_learning(opt: OptimizerShell, op: GuardedOperation) -> StagedLear
     if refresh_due(opt):
         refreshed = _refreshed(opt, op, inputs, learning.periods)
         if refreshed is not None:
-            learning.codebook, learning.codes = refreshed
+            learning.codebook, learning.remap = refreshed
     return learning
 
 
 def publish(opt: OptimizerShell, learning: StagedLearning) -> None:
-    """Write staged periods, codes and the codebook (the caller latches on failure)."""
+    """Write staged periods, remap every code tensor in place (one at a time) and publish the
+    codebook (the caller latches on failure)."""
     by_index = {index: param for index, _, param in opt._indexed()}
     for index, period in learning.periods.items():
         opt.state[by_index[index]]["period"] = period
-    for index, codes in learning.codes.items():
-        opt.state[by_index[index]][opt.CODEC_KEYS.codes] = codes
+    if learning.remap is not None:
+        key = opt.CODEC_KEYS.codes
+        for entry in opt.state.values():
+            if key in entry:
+                remap_codes_(learning.remap, entry[key])
     if learning.codebook is not None:
         opt._codebook = learning.codebook
 
@@ -156,6 +155,6 @@ def refresh(opt: OptimizerShell) -> bool:
         refreshed = _refreshed(opt, op, inputs, {})
     if refreshed is None:
         return False
-    codebook, codes = refreshed
-    opt._publish_only(StagedLearning(codebook=codebook, codes=codes))
+    codebook, table = refreshed
+    opt._publish_only(StagedLearning(codebook=codebook, remap=table))
     return True

@@ -24,7 +24,8 @@ __all__ = [
     "StagedLearning",
     "any_nonzero_agreed",
     "build_histogram",
-    "remap_codes",
+    "remap_codes_",
+    "remap_table",
     "solve_new_codebook",
     "stage_periods",
 ]
@@ -40,13 +41,14 @@ class StagedLearning:
     """What phase 4 (or initialize/refresh) learned, to be published at commit.
 
     ``periods``: new periods by flat index; ``codebook``: a codebook to publish (None keeps the
-    live one); ``codes``: remapped momentum codes by flat index (a refresh); ``noop``: the
-    pre-initialization no-op of §5.5 (nothing is staged then).
+    live one); ``remap``: a refresh's 256-entry table ``L`` (int64), applied to every code
+    tensor in place at commit, one parameter at a time; ``noop``: the pre-initialization no-op
+    of §5.5 (nothing is staged then). Nothing here is proportional to the model.
     """
 
     periods: dict[int, int] = field(default_factory=dict)
     codebook: Tensor | None = None
-    codes: dict[int, Tensor] = field(default_factory=dict)
+    remap: Tensor | None = None
     noop: bool = False
 
 
@@ -121,7 +123,19 @@ def solve_new_codebook(counts: Tensor, device: torch.device) -> Tensor:
     return solve_codebook(counts).to(device)
 
 
-def remap_codes(old_codebook: Tensor, new_codebook: Tensor, codes: Tensor) -> Tensor:
-    """§5.6 step 3: ``L[codes]`` with ``L[i] = nearest(cb', cb[i])``, as new uint8 codes."""
-    table = nearest_index(new_codebook.to(codes.device), old_codebook.to(codes.device))
-    return table.to(torch.int64)[codes.to(torch.int64)].to(torch.uint8)
+def remap_table(old_codebook: Tensor, new_codebook: Tensor) -> Tensor:
+    """§5.6 step 3: ``L[i] = nearest(cb', cb[i])`` for i in 0..255 (int64, on cb's device)."""
+    return nearest_index(new_codebook, old_codebook.to(new_codebook.device)).to(torch.int64)
+
+
+_REMAP_CHUNK = 1 << 20
+
+
+def remap_codes_(table: Tensor, codes: Tensor) -> None:
+    """§5.6 step 4 on one code tensor, in place: ``codes = L[codes]`` (chunked, so the int64
+    temporaries stay bounded)."""
+    flat = codes.view(-1)
+    local = table.to(codes.device)
+    for first in range(0, flat.numel(), _REMAP_CHUNK):
+        part = flat[first : first + _REMAP_CHUNK]
+        part.copy_(local[part.to(torch.int64)].to(torch.uint8))

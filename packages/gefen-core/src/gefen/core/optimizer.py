@@ -6,23 +6,22 @@ supplies the options, the per-parameter state codec and the update.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from gefen.contracts import OptimizerContract
-from gefen.core.fused import KernelKey, has_fused_implementation
-from gefen.core.kernels import (
-    CodebookMomentum,
-    DenseMomentum,
-    Momentum,
-    select_period,
-    update_block,
-    update_factored,
+from gefen.core.fused import (
+    KernelKey,
+    StepScalars,
+    Updater,
+    eager_update_,
+    has_fused_implementation,
 )
+from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import (
     GEFEN_OPTIMIZER_WIDE,
@@ -47,12 +46,14 @@ __all__ = ["Gefen"]
 
 
 @dataclass(frozen=True)
-class _StagedUpdate:
-    """One parameter's staged phase-4 result: its new entry and new value (None: no write)."""
+class _PlannedUpdate:
+    """One parameter of the plan phase 4 hands to the streamed commit (no staged tensors)."""
 
     param: Tensor
-    entry: dict[str, Any]
-    value: Tensor | None
+    group: Mapping[str, Any]
+    label: str
+    period: int
+    scalars: StepScalars
 
 
 class Gefen(OptimizerShell):
@@ -162,7 +163,7 @@ class Gefen(OptimizerShell):
             family,
         )
 
-    def _kernel(self, group: Mapping[str, Any], param: Tensor) -> Callable[..., Any] | None:
+    def _kernel(self, group: Mapping[str, Any], param: Tensor) -> Updater | None:
         return self._kernels.select(
             self._kernel_key(group, param),
             fused=self.defaults["fused"],
@@ -174,93 +175,13 @@ class Gefen(OptimizerShell):
             if param.grad is not None and local_tensor(param).numel() > 0:
                 self._kernel(group, param)
 
-    # -- phase 4: stage ---------------------------------------------------------------------
-
-    def _working_entry(
-        self, group: Mapping[str, Any], param: Tensor, period: int, label: str
-    ) -> dict[str, Any]:
-        """The entry the update starts from: allocated, migrated or moved as needed (staged)."""
-        entry = self.state[param]
-        spec = self._entry_spec(group, param)
-        device = local_tensor(param).device
-        if not is_initialized(entry):
-            return allocate_entry(spec, period, codebook8=self._codebook8, device=device)
-        if entry_family(entry) != spec.second_moment:
-            warnings.warn(
-                f"Gefen: parameter {label} switches its second moment to the "
-                f"{spec.second_moment} family (factored_v_2d changed); it restarts at v_step 0",
-                UserWarning,
-                stacklevel=6,
-            )
-            entry = migrate_family(entry, spec, device)
-        return {
-            key: value.to(device) if isinstance(value, Tensor) else value
-            for key, value in entry.items()
-        }
-
-    def _momentum(self, entry: Mapping[str, Any], codes: Tensor | None) -> Momentum:
-        keys = self.CODEC_KEYS
-        if self._codebook8:
-            return CodebookMomentum(
-                entry[keys.codes] if codes is None else codes, entry[keys.scale]
-            )
-        return DenseMomentum(entry[keys.dense])
-
-    def _new_entry(self, period: int, result: Any) -> dict[str, Any]:
-        keys = self.CODEC_KEYS
-        entry: dict[str, Any] = {"period": period, "step": result.step}
-        if isinstance(result.momentum, CodebookMomentum):
-            entry[keys.codes] = result.momentum.codes
-            entry[keys.scale] = result.momentum.scale
-        else:
-            entry[keys.dense] = result.momentum.momentum
-        if hasattr(result, "v_block"):
-            entry["v_block"] = result.v_block
-        else:
-            entry["v_row"], entry["v_col"] = result.v_row, result.v_col
-        entry["v_step"] = result.v_step
-        return entry
-
-    def _stage_one(
-        self,
-        index: int,
-        label: str,
-        group: Mapping[str, Any],
-        param: Tensor,
-        learning: StagedLearning,
-        lr: float,
-    ) -> _StagedUpdate:
-        period = learning.periods.get(index, self.state[param]["period"])
-        entry = self._working_entry(group, param, period, label)
-        local = local_tensor(param)
-        codebook = learning.codebook if learning.codebook is not None else self._codebook
-        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
-        arguments: dict[str, Any] = {
-            "period": period,
-            "step": entry["step"],
-            "v_step": entry["v_step"],
-            "lr": lr,
-            "betas": (float(group["betas"][0]), float(group["betas"][1])),
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-            "codebook": codebook.to(local.device)
-            if self._codebook8 and codebook is not None
-            else None,
-            "seed": (self._global_step, index) if stochastic else None,
-        }
-        momentum = self._momentum(entry, learning.codes.get(index))
-        grad = local_tensor(param.grad)  # type: ignore[arg-type]
-        kernel = self._kernel(group, param)
-        if "v_block" in entry:
-            result = (kernel or update_block)(local, grad, momentum, entry["v_block"], **arguments)
-        else:
-            result = (kernel or update_factored)(
-                local, grad, momentum, entry["v_row"], entry["v_col"], **arguments
-            )
-        return _StagedUpdate(param, self._new_entry(period, result), result.param)
+    # -- phase 4: read; phase 5: streamed commit (§7.1) --------------------------------------
 
     def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
-        staged: list[_StagedUpdate] = []
+        """Phase 4: which parameters update, with what scalars; reads only (tensor lrs once per
+        group). The plan holds no tensor proportional to the model."""
+        plan: list[_PlannedUpdate] = []
+        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
         index = -1
         for group_index, group in enumerate(self.param_groups):
             # Read lazily so a group with nothing to update never syncs on its tensor lr.
@@ -271,19 +192,59 @@ class Gefen(OptimizerShell):
                     continue
                 if lr is None:
                     lr = _lr_value(group["lr"])
+                scalars = StepScalars(
+                    lr=lr,
+                    betas=(float(group["betas"][0]), float(group["betas"][1])),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    seed=(self._global_step, index) if stochastic else None,
+                )
                 label = parameter_label(group, group_index, position)
-                staged.append(self._stage_one(index, label, group, param, learning, lr))
-        return staged
+                period = learning.periods.get(index, self.state[param]["period"])
+                plan.append(_PlannedUpdate(param, group, label, period, scalars))
+        return plan
 
-    # -- phase 5: commit --------------------------------------------------------------------
+    def _live_entry(self, planned: _PlannedUpdate) -> dict[str, Any]:
+        """The parameter's own entry, allocated, migrated or moved to its device as needed."""
+        param, group = planned.param, planned.group
+        entry: dict[str, Any] = self.state[param]
+        spec = self._entry_spec(group, param)
+        device = local_tensor(param).device
+        if not is_initialized(entry):
+            fresh = allocate_entry(spec, planned.period, codebook8=self._codebook8, device=device)
+        elif entry_family(entry) != spec.second_moment:
+            warnings.warn(
+                f"Gefen: parameter {planned.label} switches its second moment to the "
+                f"{spec.second_moment} family (factored_v_2d changed); it restarts at v_step 0",
+                UserWarning,
+                stacklevel=2,
+            )
+            fresh = migrate_family(entry, spec, device)
+        else:
+            fresh = {
+                key: value.to(device) if isinstance(value, Tensor) else value
+                for key, value in entry.items()
+            }
+        entry.clear()
+        entry.update(fresh)
+        return entry
 
     def _commit_step(self, plan: Any) -> None:
-        for update in plan:
-            entry = self.state[update.param]
-            entry.clear()
-            entry.update(update.entry)
-            if update.value is not None:
-                local_tensor(update.param).copy_(update.value)
+        """Phase 5: one parameter at a time, its state and value updated in their own storage."""
+        codebooks: dict[torch.device, Tensor] = {}
+        for planned in plan:
+            entry = self._live_entry(planned)
+            local = local_tensor(planned.param)
+            scalars = planned.scalars
+            if self._codebook8:
+                assert self._codebook is not None
+                device = local.device
+                if device not in codebooks:
+                    codebooks[device] = self._codebook.to(device)
+                scalars = replace(scalars, codebook=codebooks[device])
+            grad = local_tensor(planned.param.grad)
+            updater = self._kernel(planned.group, planned.param) or eager_update_
+            updater(local, grad, entry, scalars)
 
     # -- contract (§10) ---------------------------------------------------------------------
 

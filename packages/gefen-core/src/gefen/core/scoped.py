@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import ParameterLayout, ShardIdentity
-from gefen.core.learning import StagedLearning, build_histogram, remap_codes, solve_new_codebook
+from gefen.core.learning import StagedLearning, build_histogram, remap_table, solve_new_codebook
 from gefen.dist import (
     PHASE_CODEBOOK_SOLVE,
     PHASE_LOCAL_HISTOGRAM_PREPARATION,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from gefen.core.finalization import Finalized
     from gefen.core.shell import OptimizerShell
 
-__all__ = ["scoped_learn", "scoped_refresh_codes"]
+__all__ = ["scoped_learn", "scoped_refresh_table"]
 
 _Local = tuple[list[int], Tensor, dict[int, int]]
 
@@ -111,27 +111,17 @@ def scoped_learn(
     return StagedLearning(periods=periods, codebook=candidate)
 
 
-def _staged_codes(
-    optimizer: OptimizerShell, finalized: Finalized, new_codebook: Tensor
-) -> dict[int, Tensor]:
+def _staged_table(optimizer: OptimizerShell, new_codebook: Tensor) -> Tensor:
     assert optimizer.codebook is not None
-    index_of = {id(param): index for index, _, param in optimizer._indexed()}
-    key = optimizer.CODEC_KEYS.codes
-    staged: dict[int, Tensor] = {}
-    for _, tensor in finalized.shards:
-        if tensor is not None and key in optimizer.state[tensor]:
-            codes = optimizer.state[tensor][key]
-            staged[index_of[id(tensor)]] = remap_codes(optimizer.codebook, new_codebook, codes)
-    return staged
+    return remap_table(optimizer.codebook, new_codebook)
 
 
-def scoped_refresh_codes(
+def scoped_refresh_table(
     optimizer: OptimizerShell, op: GuardedOperation, new_codebook: Tensor
-) -> dict[int, Tensor]:
-    """§9.5 step 5: every local quantized momentum remapped by the table rule, staged."""
-    finalized = optimizer._finalized
-    assert finalized is not None
-    staged: dict[int, Tensor] = op.local(
-        PHASE_MOMENTUM_REQUANTIZATION_STAGING, _staged_codes, optimizer, finalized, new_codebook
+) -> Tensor:
+    """§9.5 step 5: the table rule's 256-entry remap table, staged in a voted local phase (the
+    commit applies it to every local quantized momentum in place)."""
+    staged: Tensor = op.local(
+        PHASE_MOMENTUM_REQUANTIZATION_STAGING, _staged_table, optimizer, new_codebook
     )
     return staged

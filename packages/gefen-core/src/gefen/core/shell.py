@@ -96,6 +96,18 @@ def _check_param_tensor(param: object) -> Tensor:
     return param
 
 
+def _options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What identifies a group's option values: type and value, or a tensor's identity and
+    version (an LR scheduler's ``fill_`` bumps it)."""
+    return tuple(
+        (name, type(value), id(value), value._version)
+        if isinstance(value, Tensor)
+        else (name, type(value), value)
+        for name, value in group.items()
+        if name not in ("params", "param_names")
+    )
+
+
 class OptimizerShell(HookedStepState, Optimizer):
     """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (10-core.md §1.1)."""
 
@@ -278,6 +290,8 @@ class OptimizerShell(HookedStepState, Optimizer):
         # Publish: the caller's dict itself becomes the group, as in torch.
         param_group.update(candidate)
         self.param_groups.append(param_group)
+        validated = self.__dict__.setdefault("_validated_options", {})
+        validated[id(param_group)] = (param_group, _options_token(param_group))
         for param in param_group["params"]:
             self.state[param] = {"period": 0}
 
@@ -302,8 +316,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels."""
         self._check_latch()
         self._check_finalized_layout()
-        for group in self.param_groups:
-            self._validate_group(group)
+        self._validate_changed_groups()
         validate_gradient_structure(
             self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
         )
@@ -311,6 +324,19 @@ class OptimizerShell(HookedStepState, Optimizer):
         self._select_kernels()
         if self.defaults.get("check_finite", True) and not amp_present:
             check_finite_gradients(self.param_groups)
+
+    def _validate_changed_groups(self) -> None:
+        """§2.2 at the edges: a group's options are re-validated only when one of them changed
+        since they last passed (a new value, or a tensor lr written in place), not every step."""
+        passed: dict[int, tuple[dict[str, Any], tuple[Any, ...]]] = {}
+        previous = self.__dict__.get("_validated_options", {})
+        for group in self.param_groups:
+            token = _options_token(group)
+            seen = previous.get(id(group))
+            if seen is None or seen[0] is not group or seen[1] != token:
+                self._validate_group(group)
+            passed[id(group)] = (group, token)
+        self._validated_options = passed
 
     def step_header_payload(self) -> list[int] | None:
         """The payload words of 50-dist.md §9.2; None while no binding is installed."""

@@ -176,12 +176,18 @@ STEP_SIGNATURE = inspect.Signature(
 """What ``step(*args, **kwargs)`` accepts: ``step(closure=None)``, as ``torch.optim``."""
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def run_step(
     optimizer: StepParticipant, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]
 ) -> Any:
     """One transactional step for ``optimizer.step(*call_args, **call_kwargs)``; returns the
     closure's loss or None. The hooks see the call as made (``args[0]`` is the optimizer), as
-    torch's step wrapper would pass it."""
+    torch's step wrapper would pass it.
+
+    The step never runs inside a user's ``torch.compile``d graph: Dynamo would drop its writes
+    to Python attributes (the global step, the codebook), so a compiled training loop would
+    silently stop training. It runs eagerly there (one graph break) and runs its own compiled
+    kernels."""
     STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
     op = optimizer._operation()
     args: tuple[Any, ...] = (optimizer, *call_args)

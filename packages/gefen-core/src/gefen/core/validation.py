@@ -130,18 +130,27 @@ def validate_gradient_structure(
 def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
     """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient.
 
-    One reduction per gradient and a single host synchronisation for the whole step.
+    One fused reduction per gradient (its minimum and maximum: NaN propagates through both and
+    ±Inf is an extremum, so no per-element temporary is allocated) and one host
+    synchronisation per device for the whole step.
     """
     labelled = [
         (label, local_tensor(param.grad))
         for label, param in iter_parameters(param_groups)
-        if param.grad is not None
+        if param.grad is not None and param.grad.numel() > 0
     ]
     if not labelled:
         return
+    by_device: dict[torch.device, list[int]] = {}
+    for position, (_, grad) in enumerate(labelled):
+        by_device.setdefault(grad.device, []).append(position)
+    finite = [True] * len(labelled)
     with torch.no_grad():
-        flags = [torch.isfinite(grad).all().reshape(1).cpu() for _, grad in labelled]
-        finite = torch.cat(flags).tolist()
+        for positions in by_device.values():
+            extrema = [torch.stack(torch.aminmax(labelled[i][1])) for i in positions]
+            flags = torch.stack(extrema).isfinite().all(dim=1).tolist()
+            for position, flag in zip(positions, flags, strict=True):
+                finite[position] = bool(flag)
     for (label, _), ok in zip(labelled, finite, strict=True):
         if not ok:
             raise NonFiniteGradientError(

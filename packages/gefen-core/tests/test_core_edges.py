@@ -1,0 +1,84 @@
+"""Checks at the edges (10-core.md §11): options are validated when a group is added or
+changed, not on every step; the finiteness check is one reduction per gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gefen.core import Gefen, NonFiniteGradientError
+
+
+def _optimizer(**options) -> tuple[Gefen, torch.nn.Parameter]:
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    return Gefen([p], **options), p
+
+
+def _count_validations(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = Gefen._validate_group
+
+    def counting(self, group):
+        calls.append(1)
+        return original(self, group)
+
+    monkeypatch.setattr(Gefen, "_validate_group", counting)
+    return calls
+
+
+def test_unchanged_options_are_not_revalidated_each_step(monkeypatch) -> None:
+    optimizer, p = _optimizer()
+    calls = _count_validations(monkeypatch)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        optimizer.step()
+    assert calls == []
+
+
+def test_a_changed_option_is_validated_before_the_step(monkeypatch, rejects) -> None:
+    optimizer, p = _optimizer()
+    calls = _count_validations(monkeypatch)
+    p.grad = torch.randn_like(p)
+    optimizer.param_groups[0]["lr"] = 2e-3  # a scheduler's write: validated once
+    optimizer.step()
+    optimizer.step()
+    assert len(calls) == 1
+    optimizer.param_groups[0]["eps"] = -1.0
+
+    def restore() -> None:
+        optimizer.param_groups[0]["eps"] = 1e-8
+
+    rejects(optimizer, optimizer.step, ValueError, "epsilon", restore=restore)
+
+
+def test_a_tensor_lr_written_in_place_is_revalidated(monkeypatch, rejects) -> None:
+    optimizer, p = _optimizer(lr=torch.tensor(1e-3))
+    calls = _count_validations(monkeypatch)
+    p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert calls == []
+    optimizer.param_groups[0]["lr"].fill_(-1.0)
+
+    def restore() -> None:
+        optimizer.param_groups[0]["lr"].fill_(1e-3)
+
+    rejects(optimizer, optimizer.step, ValueError, "learning rate", restore=restore)
+    assert calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_finiteness_names_the_parameter_for_every_dtype(dtype, bad, rejects) -> None:
+    a = torch.nn.Parameter(torch.randn(6, dtype=dtype))
+    b = torch.nn.Parameter(torch.randn(0, dtype=dtype))  # empty gradients are skipped
+    c = torch.nn.Parameter(torch.randn(4, 3, dtype=dtype))
+    optimizer = Gefen([a, b, c])
+    a.grad, b.grad, c.grad = torch.ones_like(a), torch.ones_like(b), torch.ones_like(c)
+    c.grad[2, 1] = bad
+
+    def restore() -> None:
+        c.grad[2, 1] = 1.0
+
+    rejects(
+        optimizer, optimizer.step, NonFiniteGradientError, "param_groups[0][2]", restore=restore
+    )
