@@ -255,10 +255,13 @@ def test_amp_retry_after_phase_four_failure_unscales_once(monkeypatch) -> None:
     assert torch.equal(h.grad, grad)
 
 
-def test_fused_true_compile_failure_mutates_nothing(rejects) -> None:
+def test_fused_true_compile_failure_mutates_nothing(monkeypatch, rejects) -> None:
+    import gefen.core.fused as fused_module
     from gefen.core.fused import FusedImplementation, register_fused
 
-    def broken_compile():
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])  # the broken one is the only candidate
+
+    def broken_compile(key):
         raise RuntimeError("compiler exploded")
 
     unregister = register_fused(

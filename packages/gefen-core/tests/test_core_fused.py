@@ -62,7 +62,8 @@ def test_registered_wrapper_of_the_eager_path_is_used_and_equal() -> None:
 
 
 @pytest.mark.fused_default
-def test_fused_false_never_compiles_and_none_falls_back_with_one_warning() -> None:
+def test_fused_false_never_compiles_and_none_falls_back_with_one_warning(monkeypatch) -> None:
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])  # the broken one is the only candidate
     compiled = []
 
     def broken(key):
@@ -81,7 +82,9 @@ def test_fused_false_never_compiles_and_none_falls_back_with_one_warning() -> No
     assert torch.equal(result, _run(fused=False, factored_v_2d=False))
 
 
-def test_fused_true_compile_failure_raises_before_anything_changes(rejects) -> None:
+def test_fused_true_compile_failure_raises_before_anything_changes(monkeypatch, rejects) -> None:
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])
+
     def broken(key):
         raise RuntimeError("no compiler here")
 

@@ -12,8 +12,11 @@ import copy
 import pytest
 import torch
 
+import gefen.core.fused as fused_module
 from gefen.core import Gefen
 from gefen.core.fused import compiled_graph_count
+
+IMPLEMENTATIONS = ["native-cpu", "inductor"]
 
 CASES = [
     # (momentum_codec, dtype, stochastic_round, codebook_refresh_every)
@@ -104,8 +107,20 @@ def _assert_trajectory_parity(pair) -> None:
     assert float(relative.max()) < 5e-2
 
 
+def _only(monkeypatch, name: str, key: tuple) -> None:
+    """Keep only the implementation ``name`` registered; skip keys it does not cover."""
+    kept = [impl for impl in fused_module._REGISTRY if impl.name == name]
+    if not any(impl.covers(key) for impl in kept):
+        pytest.skip(f"{name} does not cover {key}")
+    monkeypatch.setattr(fused_module, "_REGISTRY", kept)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize(("codec", "dtype", "stochastic", "refresh"), CASES)
-def test_fused_matches_the_eager_reference(codec, dtype, stochastic, refresh) -> None:
+def test_fused_matches_the_eager_reference(
+    monkeypatch, implementation, codec, dtype, stochastic, refresh
+) -> None:
+    _only(monkeypatch, implementation, ("cpu", dtype, codec, "block"))
     pair = _pair(codec, dtype, stochastic, refresh)
     _step_both(pair, 2)
     _assert_one_step_parity(pair)
@@ -115,7 +130,11 @@ def test_fused_matches_the_eager_reference(codec, dtype, stochastic, refresh) ->
     assert pair[0][1].global_step == pair[1][1].global_step == 8
 
 
-def test_fused_writes_state_in_place_and_lr_changes_never_recompile() -> None:
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fused_writes_state_in_place_and_lr_changes_never_recompile(
+    monkeypatch, implementation
+) -> None:
+    _only(monkeypatch, implementation, ("cpu", torch.float32, "codebook8", "block"))
     params = _params(torch.float32, "cpu")
     optimizer = _optimizer(params, True, "codebook8", False, 0)
     _grads(params, 0)
@@ -136,7 +155,9 @@ def test_fused_writes_state_in_place_and_lr_changes_never_recompile() -> None:
             assert optimizer.state[p][key] is tensor  # the same storage, written in place
 
 
-def test_fused_resume_is_bit_exact() -> None:
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fused_resume_is_bit_exact(monkeypatch, implementation) -> None:
+    _only(monkeypatch, implementation, ("cpu", torch.float32, "codebook8", "block"))
     params = _params(torch.float32, "cpu")
     optimizer = _optimizer(params, True, "codebook8", True, 2)
     for step in range(3):
@@ -166,3 +187,30 @@ def test_fused_matches_the_eager_reference_on_cuda(codec, dtype, stochastic, ref
     for step in range(3, 8):
         _step_both(pair, step)
     _assert_trajectory_parity(pair)
+
+
+def test_the_default_picks_the_native_kernel_for_codebook8_on_cpu() -> None:
+    from gefen.core.native import NativeUpdater
+
+    params = _params(torch.float32, "cpu")
+    optimizer = _optimizer(params, True, "codebook8", False, 0)
+    kernel = optimizer._kernel(optimizer.param_groups[0], params[0])
+    assert isinstance(kernel, NativeUpdater)
+    dense = _optimizer(_params(torch.float32, "cpu"), True, "none", False, 0)
+    assert not isinstance(dense._kernel(dense.param_groups[0], params[0]), NativeUpdater)
+
+
+def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
+    import gefen.core.native as native
+
+    def broken(key):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(native, "native_updater", broken)
+    params = _params(torch.float32, "cpu")
+    optimizer = _optimizer(params, True, "codebook8", False, 0)
+    _grads(params, 0)
+    optimizer.step()  # fused=True: inductor is the next candidate, so no error
+    assert isinstance(
+        optimizer._kernel(optimizer.param_groups[0], params[0]), fused_module.FusedUpdater
+    )

@@ -578,7 +578,7 @@ def scenario_injected(rank: int, world_size: int, where: str) -> dict[str, Any]:
     if where == "staging":
         scoped.train(range(2))
     scoped.set_grad(4)
-    name = "solve_new_codebook" if where == "solve" else "remap_codes"
+    name = "solve_new_codebook" if where == "solve" else "remap_table"
     original = getattr(scoped_module, name)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
@@ -600,7 +600,7 @@ def scenario_injected(rank: int, world_size: int, where: str) -> dict[str, Any]:
 def scenario_refresh_codes(rank: int, world_size: int, crafted: bool) -> dict[str, Any]:
     """A scoped refresh remaps the stored codes by the §5.6 table rule, ties included."""
     import gefen.core.scoped as scoped_module
-    from gefen.core.learning import remap_codes
+    from gefen.core.learning import remap_table
 
     scoped = Scoped(rank)
     old_grid, new_grid = _dyadic_grids()
@@ -632,7 +632,9 @@ def scenario_refresh_codes(rank: int, world_size: int, crafted: bool) -> dict[st
         "refreshed": refreshed,
         "changed": not torch.equal(old_codebook, new_codebook),
         "codebook": new_codebook.tolist(),
-        "library_rule": torch.equal(new_codes, remap_codes(old_codebook, new_codebook, old_codes)),
+        "library_rule": torch.equal(
+            new_codes, remap_table(old_codebook, new_codebook)[old_codes.long()].to(torch.uint8)
+        ),
         "table_rule": torch.equal(new_codes.to(torch.int64), table[old_codes.to(torch.int64)]),
         "dtype": str(new_codes.dtype),
         "ties_used": tie_rows,

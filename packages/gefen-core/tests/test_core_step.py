@@ -146,7 +146,8 @@ def test_refresh_stages_only_the_256_entry_table(monkeypatch) -> None:
     a.grad, b.grad = _grad(a, 7), _grad(b, 8) ** 3
     optimizer.step()
     learning, plan = plans[0]
-    assert learning.remap is not None and learning.remap.shape == (256,)
+    assert learning.remap is not None
+    assert learning.remap.shape == (256,)
     staged_tensors = [
         value for item in plan for value in vars(item).values() if isinstance(value, torch.Tensor)
     ]

@@ -187,6 +187,9 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
     assert sd is not None
     unchanged = mt.changes(optimizer, before)
     manifest = sd["gefen"]["muon_distributed"]
+    # As in torch, the saved tensors are the live ones (10-core.md §8.1): digest them now,
+    # before the in-place steps below move the owner's entries.
+    digests = {i: mt.digest(entry) for i, entry in sd["state"].items()}
     saved_owner_equal = [
         mt.same_entry(sd["state"][i], optimizer.state[params[i]]) for i in live_owned
     ]
@@ -224,7 +227,7 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
         "manifest": manifest,
         "mirrored": all(mt.same_entry(g["gefen"], sd["gefen"]) for g in sd["param_groups"]),
         "extras_keys": sorted(sd["gefen"]),
-        "digests": {i: mt.digest(entry) for i, entry in sd["state"].items()},
+        "digests": digests,
         "saved_owner_equal": saved_owner_equal,
         "live_owned": live_owned,
         "resumed_owned": resumed_owned,

@@ -45,6 +45,9 @@ def scenario_world2_save_resumes_at_world4(rank: int, world: int) -> dict[str, A
     assert save_error is None, save_error
     assert sd is not None
     save_changes = mt.changes(pair, before)
+    # As in torch, the saved tensors are the live ones (10-core.md §8.1): digest them now,
+    # before the in-place steps below move the owner's entries.
+    digests = {i: mt.digest(entry) for i, entry in sd["state"].items()}
     saved_params = mt.full_params(pair_model)
     _, loaded = mt.round_trip(sd)
     model = mt.sharded(mt.mesh_1d(world), saved_params)
@@ -74,7 +77,7 @@ def scenario_world2_save_resumes_at_world4(rank: int, world: int) -> dict[str, A
         "pair_ranks": [int(r) for r in pair_mesh.mesh.flatten().tolist()],
         "saved_manifest": sd["gefen"]["muon_distributed"],
         "save": (save_s, save_changes),
-        "digests": {i: mt.digest(entry) for i, entry in sd["state"].items()},
+        "digests": digests,
         "load": (load_s, load_error),
         "loaded_step": loaded_step,
         "owned": owned,

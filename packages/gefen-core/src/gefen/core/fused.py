@@ -49,10 +49,12 @@ __all__ = [
     "eager_update_",
     "fused_momentum",
     "has_fused_implementation",
+    "hyper_values",
     "pack_hyper",
     "register_fused",
     "resolve_default",
     "stream_tensor",
+    "stream_value",
 ]
 
 logger = logging.getLogger("gefen.core")
@@ -127,8 +129,9 @@ def eager_update_(param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: S
 # -- the fused implementation ----------------------------------------------------------------
 
 
-def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> Tensor:
-    """The fp64 scalars of ``fused_update`` (``HP_*``), computed as the eager path does."""
+def hyper_values(scalars: StepScalars, t: int, tau: int) -> list[float]:
+    """The scalars of ``fused_update`` (``HP_*`` order), computed in float64 as the eager path
+    computes them (each kernel rounds them to fp32 where the eager path does)."""
     beta1, beta2 = scalars.betas
     values = [0.0] * kernels.HP_SIZE
     values[kernels.HP_LR] = scalars.lr
@@ -139,14 +142,24 @@ def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> 
     values[kernels.HP_EPS] = scalars.eps
     values[kernels.HP_INV_BC1] = 1.0 / (1.0 - beta1**t)
     values[kernels.HP_DECAY] = 1.0 - scalars.lr * scalars.weight_decay
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    return values
+
+
+def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> Tensor:
+    """``hyper_values`` as the one fp64 tensor the compiled kernels take."""
+    return torch.tensor(hyper_values(scalars, t, tau), dtype=torch.float64, device=device)
+
+
+def stream_value(seed: tuple[int, int] | None) -> int:
+    """§6.3's stream seed (unsigned 64-bit; 0 without stochastic rounding)."""
+    from gefen.core.kernels.quantize import stream_seed
+
+    return 0 if seed is None else stream_seed(seed)
 
 
 def stream_tensor(seed: tuple[int, int] | None, device: torch.device) -> Tensor:
-    """§6.3's stream seed as the int64 (two's complement) 0-d tensor the fused encode hashes."""
-    from gefen.core.kernels.quantize import stream_seed
-
-    value = 0 if seed is None else stream_seed(seed)
+    """``stream_value`` as the int64 (two's complement) 0-d tensor the fused encode hashes."""
+    value = stream_value(seed)
     signed = value - (1 << 64) if value >= 1 << 63 else value
     return torch.tensor(signed, dtype=torch.int64, device=device)
 
@@ -327,7 +340,8 @@ def fused_momentum(device_type: str) -> MomentumAdvancer:
     codes = torch.zeros(2, 8, dtype=torch.uint8, device=device)
     scale = torch.zeros(2, 1, device=device)
     codebook = torch.linspace(-1.0, 1.0, 256, device=device)
-    advance(torch.ones(2, 8, device=device), codes, scale, codebook, 0.05, None)
+    with torch.no_grad():
+        advance(torch.ones(2, 8, device=device), codes, scale, codebook, 0.05, None)
     return advance
 
 
@@ -371,7 +385,8 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
     else:
         entry["v_block"] = torch.zeros(4, 1, device=device)
     scalars = StepScalars(1e-3, (0.9, 0.999), 1e-8, 0.0, codebook)
-    updater(param, torch.ones_like(param), entry, scalars)
+    with torch.no_grad():  # the commit runs without grad; grad mode is part of Dynamo's guards
+        updater(param, torch.ones_like(param), entry, scalars)
 
 
 def _compile_inductor(device_type: str, key: KernelKey) -> Updater:
@@ -426,7 +441,25 @@ def register_fused(
     return unregister
 
 
+def _compile_native(key: KernelKey) -> Updater:
+    from gefen.core.native import native_updater
+
+    return native_updater(key)
+
+
 _ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+register_fused(
+    FusedImplementation(
+        "native-cpu",
+        "cpu",
+        (torch.float32, torch.bfloat16),
+        ("codebook8",),
+        ("block", "factored"),
+        True,  # blocks are independent; every block's reductions run in a fixed order
+        _compile_native,
+    ),
+    first=False,
+)
 for _device_type in ("cpu", "cuda"):
     register_fused(
         FusedImplementation(
@@ -447,11 +480,13 @@ def has_fused_implementation(device_type: str) -> bool:
     return any(impl.device_type == device_type for impl in _REGISTRY)
 
 
-def _candidate(key: KernelKey, deterministic: bool) -> FusedImplementation | None:
-    for implementation in _REGISTRY:
-        if implementation.covers(key) and (implementation.deterministic or not deterministic):
-            return implementation
-    return None
+def _candidates(key: KernelKey, deterministic: bool) -> list[FusedImplementation]:
+    """The registered implementations covering ``key``, in registration order."""
+    return [
+        implementation
+        for implementation in _REGISTRY
+        if implementation.covers(key) and (implementation.deterministic or not deterministic)
+    ]
 
 
 def resolve_default(fused: bool | None) -> bool | None:
@@ -477,33 +512,36 @@ class KernelSelector:
         cache_key = (key, fused, deterministic)
         if cache_key in self._selected:
             return self._selected[cache_key]
-        implementation = _candidate(key, deterministic)
-        if implementation is None:
+        candidates = _candidates(key, deterministic)
+        if not candidates:
             if fused:
                 raise RuntimeError(f"no fused implementation covers {key} (fused=True)")
             self._selected[cache_key] = None
             return None
-        kernel = self._compile(implementation, key, fused)
+        kernel = self._first_that_compiles(candidates, key, fused)
         self._selected[cache_key] = kernel
         return kernel
 
     @staticmethod
-    def _compile(
-        implementation: FusedImplementation, key: KernelKey, fused: bool | None
+    def _first_that_compiles(
+        candidates: list[FusedImplementation], key: KernelKey, fused: bool | None
     ) -> Updater | None:
-        try:
-            return implementation.compile(key)
-        except Exception as error:
-            if fused:
-                raise RuntimeError(
-                    f"fused implementation failed to compile "
-                    f"({implementation.name}, {key}): {error}"
-                ) from error
-            warnings.warn(
-                f"fused implementation {implementation.name} failed to compile for {key}; "
-                f"using the eager path ({error})",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            logger.warning("fused implementation %s failed: %s", implementation.name, error)
-            return None
+        """The first candidate that compiles; when none does, ``fused=True`` raises and
+        ``fused=None`` warns once and takes the eager path."""
+        failures: list[str] = []
+        for implementation in candidates:
+            try:
+                return implementation.compile(key)
+            except Exception as error:
+                failures.append(f"{implementation.name}: {error}")
+                logger.info("fused implementation %s failed: %s", implementation.name, error)
+        reasons = "; ".join(failures)
+        if fused:
+            raise RuntimeError(f"fused implementation failed to compile for {key}: {reasons}")
+        warnings.warn(
+            f"fused implementation failed to compile for {key}; using the eager path ({reasons})",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        logger.warning("no fused implementation compiled for %s: %s", key, reasons)
+        return None

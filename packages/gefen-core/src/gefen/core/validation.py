@@ -137,7 +137,7 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
     labelled = [
         (label, local_tensor(param.grad))
         for label, param in iter_parameters(param_groups)
-        if param.grad is not None and param.grad.numel() > 0
+        if param.grad is not None and local_tensor(param.grad).numel() > 0
     ]
     if not labelled:
         return

@@ -7,6 +7,7 @@ state codec, the per-mode update and the distributed consolidation of checkpoint
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -15,6 +16,8 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import OptimizerContract, ParameterLayout
+from gefen.core import fused as core_fused  # module attribute: tests patch its functions
+from gefen.core.fused import MomentumAdvancer
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide, lr_value
@@ -26,6 +29,8 @@ from gefen.dist import GuardedOperation, cuda_graph_capturing
 from gefen.muon.kernels import STANDARD_TRIPLE, adjust_lr_ratio, local_slice_of_full
 from gefen.muon.modes import (
     APPROX,
+    DISTRIBUTED,
+    PLAIN,
     DistributedSlot,
     broadcast_update,
     distributed_slots,
@@ -41,7 +46,12 @@ from gefen.muon.options import (
     validate_muon_options,
 )
 from gefen.muon.preflight import check_presence_and_order
-from gefen.muon.update import MuonHyper, apply_update, orthogonal_update
+from gefen.muon.update import (
+    MuonHyper,
+    apply_update_,
+    canonical_advancer,
+    orthogonal_update_,
+)
 
 __all__ = ["GefenMuon"]
 
@@ -50,12 +60,24 @@ PHASE_STATE_DICT_PREFLIGHT = "state dict preflight"
 
 
 @dataclass(frozen=True)
-class _Staged:
-    """One parameter's staged result: its new entry (None: unchanged) and new local value."""
+class _Planned:
+    """One matrix of the plan: what its streamed update needs besides tensors it reads live."""
 
+    index: int
+    group: Mapping[str, Any]
     param: Tensor
-    entry: dict[str, Any] | None
-    value: Tensor
+    mode: str
+    period: int
+    hyper: MuonHyper
+    ratio: float
+    seed: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Up to ``world`` active parameters of one distributed process group, in stable order."""
+
+    slots: tuple[tuple[DistributedSlot, _Planned], ...]
 
 
 def _hyper(group: Mapping[str, Any]) -> MuonHyper:
@@ -132,24 +154,17 @@ class GefenMuon(OptimizerShell):
             "check_finite": check_finite,
         }
         validate_muon_options(defaults)
-        self._check_fused(fused)
         normalise_schedule_steps(defaults)
+        # Selected codebook8 momentum kernels by (device type, effective fused option): a cache
+        # of compiled code, not state (never pickled; rebuilt by _restore_derived).
+        self._momentum_kernels: dict[tuple[str, bool | None], MomentumAdvancer | None] = {}
         super().__init__(params, defaults)
 
     # -- options ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_fused(fused: object) -> None:
-        if fused is True:
-            raise RuntimeError(
-                "GefenMuon: fused=True but no fused implementation is registered; "
-                "use fused=None or fused=False"
-            )
-
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
         validate_muon_options(group)
-        self._check_fused(group["fused"])
 
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
         for param in candidate["params"]:
@@ -217,130 +232,204 @@ class GefenMuon(OptimizerShell):
                 inputs.append((index, view, tuple(view.shape)))
         return inputs
 
-    # -- phase 4: stage ---------------------------------------------------------------------
+    # -- kernels (§11) ----------------------------------------------------------------------
 
-    def _working_entry(
-        self, group: Mapping[str, Any], param: Tensor, period: int, device: torch.device
-    ) -> dict[str, Any]:
-        entry = self.state[param]
-        if not is_initialized(entry):
-            spec = self._entry_spec(group, param)
-            return allocate_entry(spec, period, codebook8=self._codebook8, device=device)
-        return {
-            key: value.to(device) if isinstance(value, Tensor) else value
-            for key, value in entry.items()
-        }
+    def _restore_derived(self) -> None:
+        super()._restore_derived()
+        self._momentum_kernels = {}
 
-    def _orthogonal(
-        self,
-        index: int,
-        group: Mapping[str, Any],
-        param: Tensor,
-        grad: Tensor,
-        learning: StagedLearning,
-        hyper: MuonHyper,
-    ) -> tuple[dict[str, Any], Tensor]:
-        """Steps 1–3 for one parameter on ``grad`` (the matrix its mode quantizes)."""
-        period = learning.periods.get(index, self.state[param].get("period", 0))
-        entry = self._working_entry(group, param, period, grad.device)
-        codebook = learning.codebook if learning.codebook is not None else self._codebook
-        if codebook is not None:
-            codebook = codebook.to(grad.device)
-        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
-        seed = (self._global_step, index) if stochastic else None
-        return orthogonal_update(entry, grad, codebook=codebook, hyper=hyper, seed=seed)
+    def _momentum_kernel(self, device_type: str) -> MomentumAdvancer | None:
+        """The fused codebook8 momentum for ``device_type``, or None for the eager reference.
 
-    def _stage_local(
-        self,
-        index: int,
-        group: Mapping[str, Any],
-        param: Tensor,
-        learning: StagedLearning,
-        hyper: MuonHyper,
-    ) -> _Staged | None:
-        """The plain, approx and exact paths: every rank computes the whole update it needs."""
-        mode = parameter_mode(group, param)
-        grad = param.grad
-        assert grad is not None
-        local = local_tensor(param)
-        if mode == APPROX:
-            if local.numel() == 0:
-                return None
-            matrix = local_tensor(grad)
-        elif mode == "plain":
-            matrix = grad
-        else:
-            matrix = full_gradient(grad)  # every rank, empty shards too, in parameter order
-        entry, update = self._orthogonal(index, group, param, matrix, learning, hyper)
-        if mode not in (APPROX, "plain"):
-            update = local_slice_of_full(update, param)
-        ratio = adjust_lr_ratio(group["adjust_lr_fn"], tuple(param.shape))
-        return _Staged(param, entry, apply_update(local, update, hyper=hyper, ratio=ratio))
-
-    def _stage_distributed(
-        self, slots: list[DistributedSlot], learning: StagedLearning, hypers: dict[int, MuonHyper]
-    ) -> list[_Staged]:
-        """Buckets of ``world`` items: gather (owner keeps), owners compute, broadcast, apply."""
-        active = [slot for slot in slots if slot.param.grad is not None]
-        staged: list[_Staged] = []
-        world = active[0].world if active else 1
-        for start in range(0, len(active), world):
-            bucket = active[start : start + world]
-            kept: dict[int, Tensor] = {}
-            for slot in bucket:
-                grad = slot.param.grad
-                assert grad is not None
-                full = full_gradient(grad)
-                if slot.is_owner():
-                    kept[slot.index] = full
-            computed: dict[int, tuple[dict[str, Any], Tensor]] = {}
-            for slot in bucket:
-                if slot.index in kept:
-                    computed[slot.index] = self._orthogonal(
-                        slot.index,
-                        slot.group,
-                        slot.param,
-                        kept[slot.index],
-                        learning,
-                        hypers[id(slot.group)],
-                    )
-            for slot in bucket:
-                entry, update = computed.get(slot.index, (None, None))
-                full_update = broadcast_update(update, slot)
-                local_update = local_slice_of_full(full_update, slot.param)
-                ratio = adjust_lr_ratio(slot.group["adjust_lr_fn"], tuple(slot.param.shape))
-                hyper = hypers[id(slot.group)]
-                value = apply_update(
-                    local_tensor(slot.param), local_update, hyper=hyper, ratio=ratio
+        Selected (and compiled) in the local preflight, then cached per optimizer and device
+        type (never serialized). ``fused=True``: a compile failure raises and nothing is cached,
+        so a retry selects again; ``fused=None``: one warning, then the eager path.
+        """
+        fused = core_fused.resolve_default(self.defaults["fused"])
+        if fused is False or not self._codebook8:
+            return None
+        key = (device_type, fused)
+        if key in self._momentum_kernels:
+            return self._momentum_kernels[key]
+        try:
+            # The commit runs under no_grad: warming up under it too keeps Dynamo from
+            # compiling a second graph for the grad mode (the preflight runs with grad on).
+            with torch.no_grad():
+                kernel: MomentumAdvancer | None = canonical_advancer(
+                    core_fused.fused_momentum(device_type)
                 )
-                staged.append(_Staged(slot.param, entry, value))
-        return staged
+        except Exception as error:
+            if fused:
+                raise RuntimeError(
+                    f"GefenMuon: fused implementation failed to compile the codebook8 momentum "
+                    f"for device type {device_type!r}: {type(error).__name__}: {error}"
+                ) from error
+            warnings.warn(
+                f"GefenMuon: the fused codebook8 momentum failed to compile for device type "
+                f"{device_type!r}; using the eager path ({type(error).__name__}: {error})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            kernel = None
+        self._momentum_kernels[key] = kernel
+        return kernel
+
+    def _select_kernels(self) -> None:
+        """The local preflight's selection: every device a codebook8 momentum will run on."""
+        if not self._codebook8:
+            return
+        devices = {
+            local_tensor(param).device.type
+            for _, _, param in self._indexed()
+            if param.grad is not None
+        }
+        for device_type in sorted(devices):
+            self._momentum_kernel(device_type)
+
+    # -- phase 4: read-only plan -------------------------------------------------------------
 
     def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
-        hypers = {id(group): _hyper(group) for group in self.param_groups}
+        """Phase 4: which matrices update, in which order, with what scalars; reads only.
+
+        The plan is a list of units, committed in order: one ``_Planned`` per plain, approx or
+        exact matrix (parameter order), then one ``_Bucket`` per ``world`` active parameters
+        of each distributed process group. It holds no tensor proportional to the model (only
+        references to the parameters themselves); tensor lrs are read once per group.
+        """
+        hypers: dict[int, MuonHyper] = {}
+        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
+
+        def planned(index: int, group: Mapping[str, Any], param: Tensor, mode: str) -> _Planned:
+            hyper = hypers.get(id(group))
+            if hyper is None:
+                hyper = hypers[id(group)] = _hyper(group)
+            return _Planned(
+                index=index,
+                group=group,
+                param=param,
+                mode=mode,
+                period=int(learning.periods.get(index, self.state[param].get("period", 0))),
+                hyper=hyper,
+                ratio=adjust_lr_ratio(group["adjust_lr_fn"], tuple(param.shape)),
+                seed=(self._global_step, index) if stochastic else None,
+            )
+
         indexed = self._indexed()
         slots = distributed_slots(indexed)
         distributed = {slot.index for per_group in slots for slot in per_group}
-        staged: list[_Staged] = []
+        plan: list[_Planned | _Bucket] = []
         for index, group, param in indexed:
             if param.grad is None or index in distributed:
                 continue
-            result = self._stage_local(index, group, param, learning, hypers[id(group)])
-            if result is not None:
-                staged.append(result)
+            mode = parameter_mode(group, param)
+            if mode == APPROX and local_tensor(param).numel() == 0:
+                continue  # an empty approx shard has nothing to update (and no collective)
+            plan.append(planned(index, group, param, mode))
         for per_group in slots:
-            staged.extend(self._stage_distributed(per_group, learning, hypers))
-        return staged
+            active = [slot for slot in per_group if slot.param.grad is not None]
+            world = active[0].world if active else 1
+            for start in range(0, len(active), world):
+                bucket = active[start : start + world]
+                plan.append(
+                    _Bucket(
+                        tuple(
+                            (slot, planned(slot.index, slot.group, slot.param, DISTRIBUTED))
+                            for slot in bucket
+                        )
+                    )
+                )
+        return plan
 
-    # -- phase 5: commit --------------------------------------------------------------------
+    # -- phase 5: streamed commit -----------------------------------------------------------
+
+    def _live_entry(self, planned: _Planned, device: torch.device) -> dict[str, Any]:
+        """The parameter's own entry: a pristine one is allocated just before its first update;
+        an initialized one keeps its tensors, moved to ``device`` only where needed."""
+        entry: dict[str, Any] = self.state[planned.param]
+        if not is_initialized(entry):
+            spec = self._entry_spec(planned.group, planned.param)
+            fresh = allocate_entry(spec, planned.period, codebook8=self._codebook8, device=device)
+            entry.clear()
+            entry.update(fresh)
+            return entry
+        for key, value in list(entry.items()):
+            if isinstance(value, Tensor) and value.device != device:
+                entry[key] = value.to(device)
+        return entry
+
+    def _orthogonal_(
+        self, planned: _Planned, matrix: Tensor, codebooks: dict[torch.device, Tensor]
+    ) -> Tensor:
+        """Steps 1–3 for one matrix: its entry updated in place; returns O."""
+        device = matrix.device
+        entry = self._live_entry(planned, device)
+        codebook: Tensor | None = None
+        advance: MomentumAdvancer | None = None
+        if self._codebook8:
+            assert self._codebook is not None  # published by the shell before the commit
+            codebook = codebooks.get(device)
+            if codebook is None:
+                codebook = codebooks[device] = self._codebook.to(device)
+            advance = self._momentum_kernel(device.type) or core_fused.eager_advance_momentum_
+        return orthogonal_update_(
+            entry,
+            matrix,
+            codebook=codebook,
+            hyper=planned.hyper,
+            seed=planned.seed,
+            advance=advance,
+        )
+
+    def _commit_local(self, planned: _Planned, codebooks: dict[torch.device, Tensor]) -> None:
+        """The plain, approx and exact paths: every rank computes the whole update it needs."""
+        param, mode = planned.param, planned.mode
+        grad = param.grad
+        assert grad is not None
+        if mode == APPROX:
+            matrix = local_tensor(grad)
+        elif mode == PLAIN:
+            matrix = grad
+        else:
+            matrix = full_gradient(grad)  # every rank, empty shards too, in parameter order
+        update = self._orthogonal_(planned, matrix, codebooks)
+        del matrix
+        if mode not in (APPROX, PLAIN):
+            update = local_slice_of_full(update, param)
+        apply_update_(local_tensor(param), update, hyper=planned.hyper, ratio=planned.ratio)
+
+    def _commit_bucket(self, bucket: _Bucket, codebooks: dict[torch.device, Tensor]) -> None:
+        """One owner bucket: gather (the owner keeps its matrix), owners compute, broadcast,
+        every member writes its shard."""
+        kept: dict[int, Tensor] = {}
+        for slot, _ in bucket.slots:
+            grad = slot.param.grad
+            assert grad is not None
+            full = full_gradient(grad)
+            if slot.is_owner():
+                kept[slot.index] = full
+            del full
+        computed: dict[int, Tensor] = {}
+        for slot, planned in bucket.slots:
+            matrix = kept.pop(slot.index, None)
+            if matrix is not None:
+                computed[slot.index] = self._orthogonal_(planned, matrix, codebooks)
+            del matrix
+        for slot, planned in bucket.slots:
+            full_update = broadcast_update(computed.pop(slot.index, None), slot)
+            local_update = local_slice_of_full(full_update, slot.param)
+            apply_update_(
+                local_tensor(slot.param), local_update, hyper=planned.hyper, ratio=planned.ratio
+            )
 
     def _commit_step(self, plan: Any) -> None:
-        for update in plan:
-            if update.entry is not None:
-                entry = self.state[update.param]
-                entry.clear()
-                entry.update(update.entry)
-            local_tensor(update.param).copy_(update.value)
+        """Phase 5, streamed: one matrix (or one owner bucket) at a time, its state and value
+        written into their own storage before the next is touched."""
+        codebooks: dict[torch.device, Tensor] = {}
+        for unit in plan:
+            if isinstance(unit, _Bucket):
+                self._commit_bucket(unit, codebooks)
+            else:
+                self._commit_local(unit, codebooks)
 
     # -- the step (§6) ----------------------------------------------------------------------
 

@@ -1,24 +1,31 @@
-"""One matrix's Muon update, staged (20-muon.md §4 "One parameter's update", §5).
+"""One matrix's Muon update, in place (20-muon.md §4 "One parameter's update", §5, §6 phase 5).
 
-``orthogonal_update`` runs steps 1–3 on the matrix the mode quantizes (full or local) and
-returns the new state entry and the orthogonalised update; ``apply_update`` runs steps 4–5 on
-a parameter's (local) values. Both return new tensors and write nothing, so the optimizer can
-stage a whole step before it commits.
+``orthogonal_update_`` runs steps 1–3 on the matrix the mode quantizes (full or local): it
+advances the momentum **in the entry's own tensors** (codes and scale, or the dense buffer),
+increments ``step``, updates the NorMuon state in place and returns the orthogonalised update
+``O``. ``apply_update_`` runs steps 4–5 on a parameter's (local) values, in place. Together they
+are the streamed commit's working set for one matrix: the gradient view, the decoded momentum,
+the Newton–Schulz temporaries and ``O``; nothing is staged for the rest of the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gefen.core.codec import decode_blocks, encode_blocks
+from gefen.core.fused import MomentumAdvancer
 from gefen.muon.kernels import newton_schulz, normuon_rescale
 
-__all__ = ["MuonHyper", "apply_update", "orthogonal_update"]
+__all__ = [
+    "MuonHyper",
+    "advance_momentum_",
+    "apply_update_",
+    "canonical_advancer",
+    "orthogonal_update_",
+]
 
 CODES, SCALE, BUFFER = "momentum_codes", "momentum_scale", "momentum_buffer"
 
@@ -38,85 +45,117 @@ class MuonHyper:
     normuon_eps: float
 
 
-def _codebook_momentum(
-    entry: Mapping[str, Any],
+class _CanonicalAdvancer:
+    """A compiled ``MomentumAdvancer`` fed one canonical gradient form: a fresh, contiguous
+    fp32 (B, P) tensor (one matrix's working set).
+
+    Dynamo guards on how the gradient chunk it receives was made (a view of an fp32 gradient
+    of any shape, or a fresh fp32 copy of a bf16 one), so passing gradients as they come
+    compiles one graph per dtype and base shape and soon exhausts its recompile limit (a hard
+    failure under ``fullgraph=True``). One form keeps the graph count to the structural
+    cases (stochastic rounding, sizes 0/1, chunked or not).
+    """
+
+    def __init__(self, inner: MomentumAdvancer) -> None:
+        self._inner = inner
+
+    def __call__(
+        self,
+        grad: Tensor,
+        codes: Tensor,
+        scale: Tensor,
+        codebook: Tensor,
+        weight: float,
+        seed: tuple[int, int] | None,
+    ) -> Tensor:
+        blocks = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        blocks.copy_(grad.reshape(codes.shape))
+        return self._inner(blocks, codes, scale, codebook, weight, seed)
+
+
+def canonical_advancer(inner: MomentumAdvancer) -> MomentumAdvancer:
+    """``inner`` (a compiled advancer) behind the canonical gradient form."""
+    return _CanonicalAdvancer(inner)
+
+
+def advance_momentum_(
+    entry: dict[str, Any],
     grad: Tensor,
-    codebook: Tensor,
+    *,
+    codebook: Tensor | None,
     momentum: float,
     seed: tuple[int, int] | None,
-) -> tuple[dict[str, Tensor], Tensor]:
-    """Step 1 for codebook8: lerp the decoded EMA, re-encode, and decode what is stored."""
-    period = int(entry["period"])
-    grad32 = grad.detach().to(torch.float32).reshape(-1, period)
-    ema = decode_blocks(entry[CODES], entry[SCALE], codebook)
-    ema = torch.lerp(ema, grad32, 1.0 - momentum)
-    codes, scale = encode_blocks(ema.reshape(-1), codebook, period, seed=seed)
-    stored = decode_blocks(codes, scale, codebook).reshape(grad.shape)
-    return {CODES: codes, SCALE: scale}, stored
+    advance: MomentumAdvancer | None,
+) -> Tensor:
+    """Step 1 in place; returns the stored momentum m̂ in ``grad``'s shape.
+
+    codebook8: ``advance`` (the fused ``MomentumAdvancer`` or the eager reference) decodes,
+    lerps with weight ``1 − β``, re-encodes into ``entry``'s codes/scale and returns the decoded
+    stored momentum (fp32). "none": ``momentum_buffer.lerp_(g, 1 − β)`` in the parameter dtype
+    (as ``torch.optim.Muon``); m̂ is the buffer itself (Newton–Schulz never writes its input).
+    """
+    if CODES in entry:
+        if codebook is None or advance is None:
+            raise ValueError("codebook8 momentum needs a codebook and a momentum kernel")
+        codes: Tensor = entry[CODES]
+        grad_blocks = grad.detach().reshape(codes.shape)
+        stored = advance(grad_blocks, codes, entry[SCALE], codebook, 1.0 - momentum, seed)
+        return stored.reshape(grad.shape)
+    buffer: Tensor = entry[BUFFER]
+    buffer.lerp_(grad.detach(), 1.0 - momentum)
+    return buffer
 
 
-def _dense_momentum(
-    entry: Mapping[str, Any], grad: Tensor, momentum: float
-) -> tuple[dict[str, Tensor], Tensor]:
-    """Step 1 for codec "none": the buffer's EMA in the parameter dtype (torch.optim.Muon)."""
-    buffer = entry[BUFFER].clone()
-    buffer.lerp_(grad, 1.0 - momentum)
-    return {BUFFER: buffer}, buffer
+def _normuon_(entry: dict[str, Any], update: Tensor, hyper: MuonHyper) -> Tensor:
+    """NorMuon state is created lazily (so it may be switched on mid-run), then updated in
+    place; returns the rescaled update."""
+    if "normuon_v" not in entry:
+        rows = update.shape[0]
+        entry["normuon_v"] = torch.zeros(rows, 1, dtype=torch.float32, device=update.device)
+        entry["normuon_step"] = 0
+    rescaled, t = normuon_rescale(
+        update,
+        entry["normuon_v"],
+        int(entry["normuon_step"]),
+        hyper.normuon_beta2,
+        hyper.normuon_eps,
+    )
+    entry["normuon_step"] = t
+    return rescaled
 
 
-def _normuon(
-    entry: Mapping[str, Any], update: Tensor, hyper: MuonHyper
-) -> tuple[Tensor, dict[str, Any]]:
-    """NorMuon state is created lazily, so it may be switched on mid-run."""
-    if "normuon_v" in entry:
-        v = entry["normuon_v"].clone()
-        t = int(entry["normuon_step"])
-    else:
-        v = torch.zeros(update.shape[0], 1, dtype=torch.float32, device=update.device)
-        t = 0
-    rescaled, t = normuon_rescale(update, v, t, hyper.normuon_beta2, hyper.normuon_eps)
-    return rescaled, {"normuon_v": v, "normuon_step": t}
-
-
-def orthogonal_update(
-    entry: Mapping[str, Any],
+def orthogonal_update_(
+    entry: dict[str, Any],
     grad: Tensor,
     *,
     codebook: Tensor | None,
     hyper: MuonHyper,
     seed: tuple[int, int] | None = None,
-) -> tuple[dict[str, Any], Tensor]:
-    """Steps 1–3 on ``grad`` (the quantized matrix): the new entry and the bf16 update O.
+    advance: MomentumAdvancer | None = None,
+) -> Tensor:
+    """Steps 1–3 on ``grad`` (the quantized matrix), writing ``entry`` in place; returns the
+    bf16 update O.
 
-    ``entry`` is an initialized entry (``step`` may be 0 for a new one) with the codec's keys;
-    ``codebook`` is required with the codebook8 keys. The stored state is the plain EMA;
-    Nesterov is applied after quantization, to the decoded stored momentum.
+    ``entry`` is an initialized entry (``step`` may be 0 for a new one) with the codec's keys,
+    its tensors on ``grad``'s device; ``codebook`` and ``advance`` are required with the
+    codebook8 keys. The stored state is the plain EMA; Nesterov is applied after quantization,
+    to the decoded stored momentum.
     """
-    if CODES in entry:
-        if codebook is None:
-            raise ValueError("codebook8 momentum needs a codebook")
-        momentum_keys, stored = _codebook_momentum(entry, grad, codebook, hyper.momentum, seed)
-        grad_in = grad.detach().to(torch.float32)
-    else:
-        momentum_keys, stored = _dense_momentum(entry, grad, hyper.momentum)
-        grad_in = grad.detach()
+    stored = advance_momentum_(
+        entry, grad, codebook=codebook, momentum=hyper.momentum, seed=seed, advance=advance
+    )
+    grad_in = grad.detach().to(torch.float32) if CODES in entry else grad.detach()
     nesterov_input = torch.lerp(grad_in, stored, hyper.momentum) if hyper.nesterov else stored
     update = newton_schulz(nesterov_input, hyper.schedule, hyper.eps)
-    new_entry: dict[str, Any] = {"period": entry["period"], "step": int(entry["step"]) + 1}
-    new_entry.update(momentum_keys)
+    entry["step"] = int(entry["step"]) + 1
     if hyper.normuon:
-        update, normuon_keys = _normuon(entry, update, hyper)
-        new_entry.update(normuon_keys)
-    elif "normuon_v" in entry:
-        new_entry["normuon_v"] = entry["normuon_v"]
-        new_entry["normuon_step"] = entry["normuon_step"]
-    return new_entry, update
+        update = _normuon_(entry, update, hyper)
+    return update
 
 
-def apply_update(local: Tensor, update: Tensor, *, hyper: MuonHyper, ratio: float) -> Tensor:
-    """Steps 4–5 on a copy of ``local``: decay with the raw lr, then ``-(lr·ratio)·O``."""
-    result = local.detach().clone()
+def apply_update_(local: Tensor, update: Tensor, *, hyper: MuonHyper, ratio: float) -> None:
+    """Steps 4–5 on ``local`` in place: decay with the raw lr, then ``-(lr·ratio)·O``."""
+    target = local.detach()
     if hyper.weight_decay > 0:
-        result.mul_(1.0 - hyper.lr * hyper.weight_decay)
-    result.add_(update, alpha=-(hyper.lr * ratio))
-    return result
+        target.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    target.add_(update, alpha=-(hyper.lr * ratio))

@@ -1,0 +1,310 @@
+/* The fused Gefen update for CPUs (10-core.md §6.1, §6.2, §11), one pass per block.
+ *
+ * For each block of P elements: decode the stored momentum into an L1-resident buffer while
+ * lerping in the gradient and taking the absolute maximum, then encode, apply and write in a
+ * second pass over the same buffer. Parameters, codes, scales and second moments are updated
+ * in place. Built on first use by gefen.core.native (plain C, no Python or torch headers) and
+ * called through ctypes; the eager kernels of gefen.core.kernels stay the reference it is
+ * tested against. Float arithmetic follows the eager order (fp32 except where noted).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CODEBOOK_SIZE 256
+#define TABLE_BUCKETS 4096
+
+typedef struct {
+    float lr, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, inv_bc1, decay;
+    double decay64;
+    int32_t has_decay, write, stochastic, threads;
+    uint64_t stream;
+} gefen_scalars;
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if (value != value) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load(const void *base, int dtype, int64_t i) {
+    return dtype == DTYPE_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+static inline void store(void *base, int dtype, int64_t i, float value) {
+    if (dtype == DTYPE_F32) ((float *)base)[i] = value;
+    else ((uint16_t *)base)[i] = f32_to_bf16(value);
+}
+
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static inline float draw(uint64_t stream, int64_t k) {
+    uint64_t hashed = mix64(stream + 0x9E3779B97F4A7C15ULL * (uint64_t)(k + 1));
+    return (float)(hashed >> 40) * (1.0f / 16777216.0f);
+}
+
+static inline int32_t bucket(float x) {
+    float b = floorf((x + 1.0f) * (float)(TABLE_BUCKETS / 2));
+    if (!(b >= 0.0f)) return 0;
+    return b > (float)(TABLE_BUCKETS - 1) ? TABLE_BUCKETS - 1 : (int32_t)b;
+}
+
+static inline float step_size(float second_moment, const gefen_scalars *s) {
+    return (1.0f / (sqrtf(second_moment) / s->sqrt_bc2 + s->eps)) * s->inv_bc1;
+}
+
+/* Block-sized scratch of one thread: the decoded/advanced momentum, the normalised values,
+ * the search counts and the per-element step sizes (factored family). */
+typedef struct {
+    float *advanced, *normalised, *factor;
+    int32_t *count;
+} scratch;
+
+static int scratch_init(scratch *w, int64_t period) {
+    size_t n = (size_t)period;
+    w->advanced = (float *)malloc(sizeof(float) * n);
+    w->normalised = (float *)malloc(sizeof(float) * n);
+    w->factor = (float *)malloc(sizeof(float) * n);
+    w->count = (int32_t *)malloc(sizeof(int32_t) * n);
+    return w->advanced && w->normalised && w->factor && w->count;
+}
+
+static void scratch_free(scratch *w) {
+    free(w->advanced);
+    free(w->normalised);
+    free(w->factor);
+    free(w->count);
+}
+
+/* Pass 1: advanced = lerp(cb[codes]·scale, g, w); returns max |advanced| (NaN if any is NaN:
+ * on the bit patterns of |x|, integer order is float order and NaNs sort above +Inf, so the
+ * integer maximum vectorises and still propagates NaN). */
+static float advance(const void *grad, int dtype, int64_t first, int64_t period,
+                     const uint8_t *codes, float old_scale, const float *cb, float weight,
+                     float *advanced) {
+    uint32_t top = 0;
+    int low = weight < 0.5f;
+    for (int64_t j = 0; j < period; ++j) {
+        float start = cb[codes[j]] * old_scale;
+        float end = dtype == DTYPE_F32 ? ((const float *)grad)[first + j]
+                                       : bf16_to_f32(((const uint16_t *)grad)[first + j]);
+        float value = low ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+        advanced[j] = value;
+        uint32_t bits;
+        memcpy(&bits, &value, sizeof bits);
+        bits &= 0x7FFFFFFFu;
+        top = bits > top ? bits : top;
+    }
+    float maximum;
+    memcpy(&maximum, &top, sizeof maximum);
+    return maximum;
+}
+
+/* Pass 2: the §6.3 index of every element, in vectorisable sweeps over the block; on return
+ * ``advanced`` holds each element's chosen codeword (the apply pass scales it). */
+static void encode_block(float *restrict advanced, float maximum, int64_t period,
+                         const float *restrict cb, const int32_t *restrict table, int window,
+                         const gefen_scalars *s, int64_t first, scratch *w,
+                         uint8_t *restrict codes) {
+    float *restrict x = w->normalised;
+    int32_t *restrict count = w->count;
+    for (int64_t j = 0; j < period; ++j) {
+        float value = maximum > 0.0f ? advanced[j] / maximum : 0.0f;
+        value = value == value ? value : 0.0f;
+        x[j] = value;
+        count[j] = table[bucket(value)];
+    }
+    for (int step = 0; step < window; ++step) {
+        for (int64_t j = 0; j < period; ++j) {
+            int32_t c = count[j];
+            int32_t probe = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
+            count[j] = c + ((c < CODEBOOK_SIZE) & (cb[probe] < x[j]));
+        }
+    }
+    if (!s->stochastic) {
+        for (int64_t j = 0; j < period; ++j) {
+            int32_t c = count[j];
+            int32_t lower = c > 0 ? c - 1 : 0;
+            int32_t upper = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
+            float low = cb[lower], high = cb[upper];
+            int take_low = fabsf(x[j] - low) <= fabsf(x[j] - high);
+            codes[j] = (uint8_t)(take_low ? lower : upper);
+            advanced[j] = take_low ? low : high; /* the chosen codeword, for the apply pass */
+        }
+        return;
+    }
+    for (int64_t j = 0; j < period; ++j) {
+        int32_t c = count[j];
+        int32_t lower = c > 0 ? c - 1 : 0;
+        int32_t upper = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
+        float low = cb[lower], high = cb[upper];
+        float gap = high - low;
+        float p_up = (x[j] - low) / (gap > 0.0f ? gap : 1.0f);
+        int up = (gap > 0.0f) & (draw(s->stream, first + j) < p_up);
+        codes[j] = (uint8_t)(up ? upper : lower);
+        advanced[j] = up ? high : low;
+    }
+}
+
+/* The factored family's step size of each element of the block, row segment by row segment. */
+static void factored_factors(int64_t first, int64_t period, const float *restrict v_row,
+                             const float *restrict v_col, int64_t cols, float norm,
+                             const gefen_scalars *s, float *restrict factor) {
+    int64_t j = 0;
+    while (j < period) {
+        int64_t row = (first + j) / cols, col = (first + j) % cols;
+        int64_t run = cols - col < period - j ? cols - col : period - j;
+        float r = v_row[row], sqrt_bc2 = s->sqrt_bc2, eps = s->eps, inv_bc1 = s->inv_bc1;
+        for (int64_t i = 0; i < run; ++i)
+            factor[j + i] = (1.0f / (sqrtf(r * v_col[col + i] / norm) / sqrt_bc2 + eps)) * inv_bc1;
+        j += run;
+    }
+}
+
+/* Pass 3: apply the re-quantized momentum and write the parameter (one final rounding).
+ * ``factor`` holds per-element step sizes (factored family) or is NULL (``block_s``). */
+#define APPLY_LOOP(LOAD, STORE, FACTOR)                                                        \
+    for (int64_t j = 0; j < period; ++j) {                                                   \
+        float update = ((chosen[j] * maximum) * (FACTOR)) * lr;                              \
+        float current = LOAD;                                                                \
+        current = has_decay ? current * decay : current;                                     \
+        STORE(current - update);                                                             \
+    }
+
+static void apply_block(void *restrict param, int dtype, int64_t first, int64_t period,
+                        const float *restrict chosen, float maximum,
+                        const float *restrict factor, float block_s, const gefen_scalars *s) {
+    float lr = s->lr, decay = s->decay;
+    int has_decay = s->has_decay;
+    float *restrict p32 = (float *)param + first;
+    uint16_t *restrict p16 = (uint16_t *)param + first;
+#define STORE32(v) p32[j] = (v)
+#define STORE16(v) p16[j] = f32_to_bf16(v)
+    if (dtype == DTYPE_F32 && factor) APPLY_LOOP(p32[j], STORE32, factor[j])
+    else if (dtype == DTYPE_F32) APPLY_LOOP(p32[j], STORE32, block_s)
+    else if (factor) APPLY_LOOP(bf16_to_f32(p16[j]), STORE16, factor[j])
+    else APPLY_LOOP(bf16_to_f32(p16[j]), STORE16, block_s)
+#undef STORE32
+#undef STORE16
+}
+
+/* The block's mean of g² (float partial sums in a fixed lane order: vectorisable and
+ * deterministic, as accurate as torch's own float reduction). */
+static float mean_square(const void *grad, int dtype, int64_t first, int64_t period) {
+    enum { LANES = 16 };
+    float partial[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= period; j += LANES)
+        for (int lane = 0; lane < LANES; ++lane) {
+            float g = load(grad, dtype, first + j + lane);
+            partial[lane] += g * g;
+        }
+    float total = 0.0f;
+    for (; j < period; ++j) {
+        float g = load(grad, dtype, first + j);
+        total += g * g;
+    }
+    for (int lane = 0; lane < LANES; ++lane) total += partial[lane];
+    return total / (float)period;
+}
+
+static void update_blocks(void *param, const void *grad, int dtype, uint8_t *codes, float *scale,
+                          float *v_block, const float *v_row, const float *v_col, int64_t cols,
+                          float norm, int64_t blocks, int64_t period, const float *cb,
+                          const int32_t *table, int window, const gefen_scalars *s, int *failed) {
+#pragma omp parallel num_threads(s->threads)
+    {
+        scratch w;
+        if (!scratch_init(&w, period)) {
+            *failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; ++b) {
+                int64_t first = b * period;
+                float block_s = 0.0f;
+                if (v_block) {
+                    float mean = mean_square(grad, dtype, first, period);
+                    float fresh = v_block[b] * s->beta2 + mean * s->one_minus_beta2;
+                    v_block[b] = fresh;
+                    block_s = step_size(fresh, s);
+                } else {
+                    factored_factors(first, period, v_row, v_col, cols, norm, s, w.factor);
+                }
+                float maximum = advance(grad, dtype, first, period, codes + first, scale[b], cb,
+                                        s->one_minus_beta1, w.advanced);
+                scale[b] = maximum;
+                encode_block(w.advanced, maximum, period, cb, table, window, s, first, &w,
+                             codes + first);
+                if (s->write)
+                    apply_block(param, dtype, first, period, w.advanced, maximum,
+                                v_block ? NULL : w.factor, block_s, s);
+            }
+        }
+        scratch_free(&w);
+    }
+}
+
+/* §6.2: the row and column EMAs of g² over the whole (R, C) gradient; returns the normaliser
+ * max(mean(v_row), FLT_MIN). Sums are accumulated in double. */
+static float factored_moments(const void *grad, int dtype, float *restrict v_row,
+                              float *restrict v_col, int64_t rows, int64_t cols,
+                              const gefen_scalars *s) {
+    /* Column sums accumulate row after row and row sums in fixed lanes, both in float as
+     * torch's own reductions do; the normaliser's mean is taken in double. */
+    float *column_sums = (float *)calloc((size_t)cols, sizeof(float));
+    double row_total = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t first = r * cols;
+        if (dtype == DTYPE_F32) {
+            const float *restrict g = (const float *)grad + first;
+            for (int64_t c = 0; c < cols; ++c) column_sums[c] += g[c] * g[c];
+        } else {
+            const uint16_t *restrict g = (const uint16_t *)grad + first;
+            for (int64_t c = 0; c < cols; ++c) {
+                float value = bf16_to_f32(g[c]);
+                column_sums[c] += value * value;
+            }
+        }
+        float mean = mean_square(grad, dtype, first, cols);
+        v_row[r] = v_row[r] * s->beta2 + mean * s->one_minus_beta2;
+        row_total += (double)v_row[r];
+    }
+    for (int64_t c = 0; c < cols; ++c)
+        v_col[c] = v_col[c] * s->beta2 + (column_sums[c] / (float)rows) * s->one_minus_beta2;
+    free(column_sums);
+    float mean = (float)(row_total / (double)rows);
+    const float flt_min = 1.17549435e-38f;
+    return mean > flt_min ? mean : flt_min;
+}
+
+/* The entry point: one codebook8 parameter of ``blocks`` x ``period`` elements, contiguous.
+ * v_block != NULL selects the block family; otherwise v_row (rows) and v_col (cols). */
+int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t *codes,
+                           float *scale, float *v_block, float *v_row, float *v_col,
+                           int64_t rows, int64_t cols, int64_t blocks, int64_t period,
+                           const float *codebook, const int32_t *table, int32_t window,
+                           const gefen_scalars *s) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
+    float norm = 1.0f;
+    int failed = 0;
+    if (!v_block) norm = factored_moments(grad, dtype, v_row, v_col, rows, cols, s);
+    update_blocks(param, grad, dtype, codes, scale, v_block, v_row, v_col, cols, norm, blocks,
+                  period, codebook, table, window, s, &failed);
+    return failed ? 2 : 0;
+}
