@@ -404,8 +404,17 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
             None if ratio is None else ratio <= limit,
             "target, median step(); value is the ratio" + scope,
         )
+    fused_loss, eager_loss = get("gefen", "eval_loss"), get("gefen_eager", "eval_loss")
+    drift = None if fused_loss is None or eager_loss is None else abs(fused_loss / eager_loss - 1)
+    add(
+        "Gefen held-out loss, fused vs eager reference",
+        "within 0.5%",
+        drift,
+        None if drift is None else drift <= 0.005,
+        "target; value is |fused/eager - 1|",
+    )
     gefen_ms = get("gefen", "step_ms_median")
-    for peer in ("bnb_adamw8bit", "torchao_adamw8bit"):
+    for peer in ("bnb_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit"):
         peer_ms = get(peer, "step_ms_median")
         add(
             f"Gefen step time vs {peer}",

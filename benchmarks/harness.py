@@ -78,10 +78,12 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
         raise Unavailable(reason)
     if name == "adamw":
         return _adamw(model.parameters(), lr)
-    if name == "gefen":
+    if name in ("gefen", "gefen_eager"):
         from gefen.core import Gefen
 
-        return Gefen(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        # gefen_eager: the eager reference kernels, for the fused-vs-eager loss comparison.
+        fused = False if name == "gefen_eager" else None
+        return Gefen(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=fused)
     if name == "muon":
         from gefen.hybrid import split_params_for_muon
 

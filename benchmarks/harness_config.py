@@ -14,6 +14,7 @@ from dataclasses import dataclass
 OPTIMIZERS: tuple[str, ...] = (
     "adamw",
     "gefen",
+    "gefen_eager",
     "muon",
     "gefen_muon_gefen",
     "gefen_muon_adamw",
@@ -29,6 +30,7 @@ OPTIMIZERS: tuple[str, ...] = (
 DEFAULT_LR: dict[str, float] = {
     "adamw": 7.5e-4,
     "gefen": 7.5e-4,
+    "gefen_eager": 7.5e-4,
     "muon": 1.2e-2,
     "gefen_muon_gefen": 1.2e-2,
     "gefen_muon_adamw": 1.2e-2,

@@ -82,3 +82,36 @@ def test_finiteness_names_the_parameter_for_every_dtype(dtype, bad, rejects) -> 
     rejects(
         optimizer, optimizer.step, NonFiniteGradientError, "param_groups[0][2]", restore=restore
     )
+
+
+def test_state_entries_are_checked_when_they_change_not_every_step(monkeypatch, rejects) -> None:
+    import gefen.core.shell as shell
+
+    optimizer, p = _optimizer()
+    p.grad = torch.randn_like(p)
+    optimizer.step()
+    calls: list[int] = []
+    original = shell.entry_matches
+
+    def counting(entry, spec):
+        calls.append(1)
+        return original(entry, spec)
+
+    monkeypatch.setattr(shell, "entry_matches", counting)
+    optimizer.step()
+    optimizer.step()
+    assert len(calls) <= 1  # at most the first step after the spy went in
+    calls.clear()
+    optimizer.step()
+    assert calls == []
+    entry = optimizer.state[p]
+    good = entry["momentum_codes"]
+    entry["momentum_codes"] = torch.zeros(1, 1, dtype=torch.uint8)  # a replaced tensor
+
+    def restore() -> None:
+        entry["momentum_codes"] = good
+
+    rejects(
+        optimizer, optimizer.step, RuntimeError, "state does not match parameter", restore=restore
+    )
+    assert calls

@@ -155,7 +155,8 @@ class Gefen(OptimizerShell):
     # -- kernels (§11) ----------------------------------------------------------------------
 
     def _kernel_key(self, group: Mapping[str, Any], param: Tensor) -> KernelKey:
-        family = self._entry_spec(group, param).second_moment or "block"
+        factored = param.dim() == 2 and not is_dtensor(param) and bool(group["factored_v_2d"])
+        family = "factored" if factored else "block"  # as _entry_spec decides
         return (
             local_tensor(param).device.type,
             param.dtype,
@@ -220,6 +221,8 @@ class Gefen(OptimizerShell):
                 stacklevel=2,
             )
             fresh = migrate_family(entry, spec, device)
+        elif all(value.device == device for value in entry.values() if isinstance(value, Tensor)):
+            return entry  # the usual case: nothing to allocate, migrate or move
         else:
             fresh = {
                 key: value.to(device) if isinstance(value, Tensor) else value

@@ -108,6 +108,39 @@ def _options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
     )
 
 
+class _Held:
+    """Objects kept alive by a signature; always equal, so they never affect comparison."""
+
+    __slots__ = ("objects",)
+
+    def __init__(self, objects: tuple[Any, ...]) -> None:
+        self.objects = objects
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _entry_signature(
+    group: Mapping[str, Any], param: Tensor, entry: Mapping[str, Any]
+) -> tuple[Any, ...]:
+    """What an entry's structural match depends on: the objects involved (by identity) and the
+    shapes. The objects themselves ride along (last item) so no id can be reused meanwhile;
+    comparison uses the identities only."""
+    local = local_tensor(param)
+    tensors = [value for value in entry.values() if isinstance(value, Tensor)]
+    values = tuple(
+        (key, id(value), tuple(value.shape), value.dtype)
+        if isinstance(value, Tensor)
+        else (key, value)
+        for key, value in entry.items()
+        if key not in ("step", "v_step")
+    )
+    identity = (id(param), id(group), id(entry), id(local), tuple(local.shape), param.dim())
+    return (identity, values, _Held((param, group, entry, local, *tensors)))
+
+
 class OptimizerShell(HookedStepState, Optimizer):
     """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (10-core.md §1.1)."""
 
@@ -156,18 +189,28 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def _check_local_inputs(self) -> None:
         """Further rank-local step checks; the default is the state match of §7.2:
-        initialized (or period-selected) state must still fit its parameter."""
+        initialized (or period-selected) state must still fit its parameter.
+
+        An entry is checked when it or its parameter changed since it last matched (new entry
+        objects after a load, a replaced tensor, a swapped ``p.data``, a changed group), not on
+        every step: the commit writes entries in place, so a matched entry stays matched."""
+        matched: dict[int, tuple[Any, ...]] = {}
+        previous = self.__dict__.get("_matched_entries", {})
         for group_index, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
                 entry = self.state[param]
                 if entry.get("period", 0) == 0 and not is_initialized(entry):
                     continue
-                reason = entry_matches(entry, self._entry_spec(group, param))
-                if reason is not None:
-                    label = parameter_label(group, group_index, position)
-                    raise RuntimeError(
-                        f"parameter {label}: state does not match parameter ({reason})"
-                    )
+                signature = _entry_signature(group, param, entry)
+                if previous.get(id(param)) != signature:
+                    reason = entry_matches(entry, self._entry_spec(group, param))
+                    if reason is not None:
+                        label = parameter_label(group, group_index, position)
+                        raise RuntimeError(
+                            f"parameter {label}: state does not match parameter ({reason})"
+                        )
+                matched[id(param)] = signature
+        self._matched_entries = matched
 
     def _checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         """Optional extras keys of this optimizer, from the entries ``state_dict`` emits."""

@@ -69,6 +69,20 @@ static inline float step_size(float second_moment, const gefen_scalars *s) {
     return (1.0f / (sqrtf(second_moment) / s->sqrt_bc2 + s->eps)) * s->inv_bc1;
 }
 
+/* Elements of a block handled per pass: the scratch buffers (16 KB in all) stay in L1. */
+#define SCRATCH 1024
+
+/* The larger of two block maxima, NaN if either is (the bit order of advance()). */
+static inline float nan_max(float a, float b) {
+    uint32_t x, y;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    uint32_t top = x > y ? x : y;
+    float out;
+    memcpy(&out, &top, sizeof out);
+    return out;
+}
+
 /* Block-sized scratch of one thread: the decoded/advanced momentum, the normalised values,
  * the search counts and the per-element step sizes (factored family). */
 typedef struct {
@@ -170,12 +184,12 @@ static void factored_factors(int64_t first, int64_t period, const float *restric
     while (j < period) {
         int64_t row = (first + j) / cols, col = (first + j) % cols;
         int64_t run = cols - col < period - j ? cols - col : period - j;
-        /* Products by reciprocals where the reference divides: within 2 ulp, far inside the
-         * parameter bounds of §11 (the step size never reaches the codes). */
-        float r = v_row[row] / norm, inv_sqrt_bc2 = 1.0f / s->sqrt_bc2, eps = s->eps;
-        float inv_bc1 = s->inv_bc1;
-        for (int64_t i = 0; i < run; ++i)
-            factor[j + i] = inv_bc1 / (sqrtf(r * v_col[col + i]) * inv_sqrt_bc2 + eps);
+        /* ``v_row``/``v_col`` hold sqrt(v_row / norm) and sqrt(v_col) / sqrt(bc2) here:
+         * sqrt(v̂)/sqrt(bc2) as a product of per-row and per-column roots, within 2 ulp of the
+         * reference and far inside the parameter bounds of §11 (it never reaches the codes). */
+        float r = v_row[row], eps = s->eps, inv_bc1 = s->inv_bc1;
+        (void)norm;
+        for (int64_t i = 0; i < run; ++i) factor[j + i] = inv_bc1 / (r * v_col[col + i] + eps);
         j += run;
     }
 }
@@ -231,10 +245,11 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                           float *v_block, const float *v_row, const float *v_col, int64_t cols,
                           float norm, int64_t blocks, int64_t period, const float *cb,
                           const int32_t *table, int window, const gefen_scalars *s, int *failed) {
+    int64_t sub = period < SCRATCH ? period : SCRATCH;
 #pragma omp parallel num_threads(s->threads)
     {
         scratch w;
-        if (!scratch_init(&w, period)) {
+        if (!scratch_init(&w, sub)) {
             *failed = 1;
         } else {
 #pragma omp for schedule(static)
@@ -246,17 +261,30 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                     float fresh = v_block[b] * s->beta2 + mean * s->one_minus_beta2;
                     v_block[b] = fresh;
                     block_s = step_size(fresh, s);
-                } else {
-                    factored_factors(first, period, v_row, v_col, cols, norm, s, w.factor);
                 }
-                float maximum = advance(grad, dtype, first, period, codes + first, scale[b], cb,
-                                        s->one_minus_beta1, w.advanced);
+                /* A block longer than the scratch is decoded twice (once for its maximum),
+                 * so every pass stays in L1 whatever the period. */
+                float old_scale = scale[b], maximum = 0.0f;
+                for (int64_t o = 0; o < period; o += sub) {
+                    int64_t len = period - o < sub ? period - o : sub;
+                    float part = advance(grad, dtype, first + o, len, codes + first + o, old_scale,
+                                         cb, s->one_minus_beta1, w.advanced);
+                    maximum = nan_max(maximum, part);
+                }
                 scale[b] = maximum;
-                encode_block(w.advanced, maximum, period, cb, table, window, s, first, &w,
-                             codes + first);
-                if (s->write)
-                    apply_block(param, dtype, first, period, w.advanced, maximum,
-                                v_block ? NULL : w.factor, block_s, s);
+                for (int64_t o = 0; o < period; o += sub) {
+                    int64_t len = period - o < sub ? period - o : sub;
+                    if (period > sub)
+                        advance(grad, dtype, first + o, len, codes + first + o, old_scale, cb,
+                                s->one_minus_beta1, w.advanced);
+                    if (!v_block)
+                        factored_factors(first + o, len, v_row, v_col, cols, norm, s, w.factor);
+                    encode_block(w.advanced, maximum, len, cb, table, window, s, first + o, &w,
+                                 codes + first + o);
+                    if (s->write)
+                        apply_block(param, dtype, first + o, len, w.advanced, maximum,
+                                    v_block ? NULL : w.factor, block_s, s);
+                }
             }
         }
         scratch_free(&w);
@@ -306,8 +334,22 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     float norm = 1.0f;
     int failed = 0;
-    if (!v_block) norm = factored_moments(grad, dtype, v_row, v_col, rows, cols, s);
-    update_blocks(param, grad, dtype, codes, scale, v_block, v_row, v_col, cols, norm, blocks,
-                  period, codebook, table, window, s, &failed);
+    float *row_roots = NULL, *column_roots = NULL;
+    if (!v_block) {
+        norm = factored_moments(grad, dtype, v_row, v_col, rows, cols, s);
+        row_roots = (float *)malloc(sizeof(float) * (size_t)rows);
+        column_roots = (float *)malloc(sizeof(float) * (size_t)cols);
+        if (!row_roots || !column_roots) {
+            free(row_roots);
+            free(column_roots);
+            return 2;
+        }
+        for (int64_t r = 0; r < rows; ++r) row_roots[r] = sqrtf(v_row[r] / norm);
+        for (int64_t c = 0; c < cols; ++c) column_roots[c] = sqrtf(v_col[c]) / s->sqrt_bc2;
+    }
+    update_blocks(param, grad, dtype, codes, scale, v_block, row_roots, column_roots, cols, norm,
+                  blocks, period, codebook, table, window, s, &failed);
+    free(row_roots);
+    free(column_roots);
     return failed ? 2 : 0;
 }
