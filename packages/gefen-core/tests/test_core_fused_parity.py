@@ -8,6 +8,7 @@ each covers several features at once.
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -16,7 +17,11 @@ import gefen.core.fused as fused_module
 from gefen.core import Gefen
 from gefen.core.fused import compiled_graph_count
 
-IMPLEMENTATIONS = ["native-cpu", "inductor"]
+HAS_CC = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
+IMPLEMENTATIONS = [
+    pytest.param("native-cpu", marks=pytest.mark.skipif(not HAS_CC, reason="needs a C compiler")),
+    "inductor",
+]
 
 CASES = [
     # (momentum_codec, dtype, stochastic_round, codebook_refresh_every)
@@ -189,6 +194,7 @@ def test_fused_matches_the_eager_reference_on_cuda(codec, dtype, stochastic, ref
     _assert_trajectory_parity(pair)
 
 
+@pytest.mark.skipif(not HAS_CC, reason="needs a C compiler")
 def test_the_default_picks_the_native_kernel_for_codebook8_on_cpu() -> None:
     from gefen.core.native import NativeUpdater
 

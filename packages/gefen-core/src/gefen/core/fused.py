@@ -319,15 +319,20 @@ class FusedMomentum:
         weight_tensor = torch.tensor(weight, dtype=torch.float32, device=device)
         grad_blocks = grad.reshape(blocks, period)
         out = torch.empty(blocks, period, dtype=torch.float32, device=device)
-        variant = (grad.dtype, seed is not None, window)
+        variant = (seed is not None, window)
         function = _compiled(kernels.advance_momentum_, self._device_type, variant)
         rows = max(1, CHUNK_ELEMENTS // period)
+        # Every chunk reaches the compiled function in one form (a slice of one fp32 staging
+        # buffer, whatever the gradient's dtype, shape or strides): Dynamo guards on how an
+        # input was made, so gradients passed as they come would multiply the graphs.
+        staging = torch.empty(min(rows, blocks), period, dtype=torch.float32, device=device)
         for first_row in range(0, blocks, rows):
             chunk = slice(first_row, min(blocks, first_row + rows))
             first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
             rounding = (window, seed is not None, stream, first)
             state = (codes[chunk], scale[chunk])
-            gradient = grad_blocks[chunk].to(torch.float32)
+            gradient = staging[: chunk.stop - chunk.start]
+            gradient.copy_(grad_blocks[chunk])
             out[chunk] = function(gradient, state, (codebook, table), weight_tensor, rounding)
         return out
 

@@ -49,7 +49,6 @@ from gefen.muon.preflight import check_presence_and_order
 from gefen.muon.update import (
     MuonHyper,
     apply_update_,
-    canonical_advancer,
     orthogonal_update_,
 )
 
@@ -255,9 +254,7 @@ class GefenMuon(OptimizerShell):
             # The commit runs under no_grad: warming up under it too keeps Dynamo from
             # compiling a second graph for the grad mode (the preflight runs with grad on).
             with torch.no_grad():
-                kernel: MomentumAdvancer | None = canonical_advancer(
-                    core_fused.fused_momentum(device_type)
-                )
+                kernel: MomentumAdvancer | None = core_fused.fused_momentum(device_type)
         except Exception as error:
             if fused:
                 raise RuntimeError(

@@ -23,7 +23,6 @@ __all__ = [
     "MuonHyper",
     "advance_momentum_",
     "apply_update_",
-    "canonical_advancer",
     "orthogonal_update_",
 ]
 
@@ -43,39 +42,6 @@ class MuonHyper:
     normuon: bool
     normuon_beta2: float
     normuon_eps: float
-
-
-class _CanonicalAdvancer:
-    """A compiled ``MomentumAdvancer`` fed one canonical gradient form: a fresh, contiguous
-    fp32 (B, P) tensor (one matrix's working set).
-
-    Dynamo guards on how the gradient chunk it receives was made (a view of an fp32 gradient
-    of any shape, or a fresh fp32 copy of a bf16 one), so passing gradients as they come
-    compiles one graph per dtype and base shape and soon exhausts its recompile limit (a hard
-    failure under ``fullgraph=True``). One form keeps the graph count to the structural
-    cases (stochastic rounding, sizes 0/1, chunked or not).
-    """
-
-    def __init__(self, inner: MomentumAdvancer) -> None:
-        self._inner = inner
-
-    def __call__(
-        self,
-        grad: Tensor,
-        codes: Tensor,
-        scale: Tensor,
-        codebook: Tensor,
-        weight: float,
-        seed: tuple[int, int] | None,
-    ) -> Tensor:
-        blocks = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-        blocks.copy_(grad.reshape(codes.shape))
-        return self._inner(blocks, codes, scale, codebook, weight, seed)
-
-
-def canonical_advancer(inner: MomentumAdvancer) -> MomentumAdvancer:
-    """``inner`` (a compiled advancer) behind the canonical gradient form."""
-    return _CanonicalAdvancer(inner)
 
 
 def advance_momentum_(
@@ -144,8 +110,16 @@ def orthogonal_update_(
     stored = advance_momentum_(
         entry, grad, codebook=codebook, momentum=hyper.momentum, seed=seed, advance=advance
     )
-    grad_in = grad.detach().to(torch.float32) if CODES in entry else grad.detach()
-    nesterov_input = torch.lerp(grad_in, stored, hyper.momentum) if hyper.nesterov else stored
+    if CODES in entry and hyper.nesterov:
+        # ``stored`` is this step's own fp32 decode: Nesterov's lerp overwrites it (same
+        # arithmetic as a fresh result, one matrix less at the peak).
+        nesterov_input = torch.lerp(
+            grad.detach().to(torch.float32), stored, hyper.momentum, out=stored
+        )
+    elif hyper.nesterov:
+        nesterov_input = torch.lerp(grad.detach(), stored, hyper.momentum)
+    else:
+        nesterov_input = stored
     update = newton_schulz(nesterov_input, hyper.schedule, hyper.eps)
     entry["step"] = int(entry["step"]) + 1
     if hyper.normuon:
