@@ -220,3 +220,46 @@ def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
     assert isinstance(
         optimizer._kernel(optimizer.param_groups[0], params[0]), fused_module.FusedUpdater
     )
+
+
+@pytest.mark.parametrize("implementation", ["native", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [None, (4, 2)])
+def test_fused_momentum_matches_the_eager_reference(implementation, dtype, seed) -> None:
+    # GefenMuon's step 1 (gefen.core.fused.MomentumAdvancer), both implementations.
+    from gefen.core.fused import FusedMomentum, eager_advance_momentum_
+
+    if implementation == "native":
+        if not HAS_CC:
+            pytest.skip("needs a C compiler")
+        from gefen.core.native import native_momentum
+
+        advance = native_momentum()
+    else:
+        advance = FusedMomentum("cpu")
+    generator = torch.Generator().manual_seed(5)
+    codebook = torch.sort(torch.rand(254, generator=generator) * 2 - 1).values
+    codebook = torch.cat([torch.tensor([-1.0]), codebook, torch.tensor([1.0])])
+    codes = torch.randint(0, 256, (12, 1536), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(12, 1, generator=generator)
+    twin_codes, twin_scale = codes.clone(), scale.clone()
+    for _ in range(3):
+        grad = torch.randn(12, 1536, generator=generator).to(dtype)
+        want = eager_advance_momentum_(grad, codes, scale, codebook, 0.05, seed)
+        with torch.no_grad():
+            got = advance(grad, twin_codes, twin_scale, codebook, 0.05, seed)
+        difference = (codes.int() - twin_codes.int()).abs()
+        assert float((difference == 0).float().mean()) >= 0.9999
+        assert int(difference.max()) <= 1
+        torch.testing.assert_close(scale, twin_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(want, got, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_momentum_prefers_the_native_kernel_on_cpu() -> None:
+    from gefen.core.fused import fused_momentum
+
+    if not HAS_CC:
+        pytest.skip("needs a C compiler")
+    from gefen.core.native import NativeMomentum
+
+    assert isinstance(fused_momentum("cpu"), NativeMomentum)

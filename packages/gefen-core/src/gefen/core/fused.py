@@ -338,8 +338,16 @@ class FusedMomentum:
 
 
 def fused_momentum(device_type: str) -> MomentumAdvancer:
-    """A compiled ``MomentumAdvancer`` for ``device_type``, proven on a tiny input first (so a
-    compile failure surfaces where the caller selects it); raises on failure."""
+    """A fused ``MomentumAdvancer`` for ``device_type``, proven on a tiny input first (so a
+    build failure surfaces where the caller selects it); raises on failure. On the CPU the
+    native kernel when it builds, else (and elsewhere) the compiled one."""
+    if device_type == "cpu":
+        try:
+            from gefen.core.native import native_momentum
+
+            return native_momentum()
+        except Exception as error:
+            logger.info("native momentum kernel unavailable, using inductor: %s", error)
     advance = FusedMomentum(device_type)
     device = torch.device(device_type)
     codes = torch.zeros(2, 8, dtype=torch.uint8, device=device)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gefen.core.kernels import fused_update as reference
 
-__all__ = ["NativeUpdater", "build_library", "native_updater"]
+__all__ = ["NativeMomentum", "NativeUpdater", "build_library", "native_momentum", "native_updater"]
 
 logger = logging.getLogger("gefen.core")
 
@@ -117,8 +117,31 @@ def build_library() -> ctypes.CDLL:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
             ctypes.POINTER(_Scalars),
         ]  # fmt: skip
+        momentum = library.gefen_momentum_codebook8
+        momentum.restype = ctypes.c_int
+        momentum.argtypes = [
+            ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+            ctypes.POINTER(_Scalars),
+        ]  # fmt: skip
         _LIBRARY = library
         return library
+
+
+class _CountTable:
+    """The codebook's int32 count table and scan window, cached by the tensor object and its
+    version (the cache holds the tensor, so its identity cannot be reused meanwhile)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Tensor | None, int] = (None, -1)
+        self._value: tuple[Tensor, int] = (torch.zeros(0), 1)
+
+    def __call__(self, codebook: Tensor) -> tuple[Tensor, int]:
+        if codebook is not self._key[0] or codebook._version != self._key[1]:
+            table = reference.count_table(codebook).to(torch.int32).contiguous()
+            self._value = (table, reference.scan_window(codebook))
+            self._key = (codebook, codebook._version)
+        return self._value
 
 
 class NativeUpdater:
@@ -126,15 +149,7 @@ class NativeUpdater:
 
     def __init__(self) -> None:
         self._function = build_library().gefen_update_codebook8
-        self._table_of: tuple[Tensor | None, int, Tensor, int] = (None, -1, torch.zeros(0), 1)
-
-    def _table(self, codebook: Tensor) -> tuple[Tensor, int]:
-        cached, version, table, window = self._table_of
-        if codebook is not cached or codebook._version != version:
-            table = reference.count_table(codebook).to(torch.int32).contiguous()
-            window = reference.scan_window(codebook)
-            self._table_of = (codebook, codebook._version, table, window)
-        return table, window
+        self._table = _CountTable()
 
     def __call__(self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: Any) -> None:
         from gefen.core.fused import hyper_values, stream_value
@@ -211,3 +226,59 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
         param.float(), expected_param.float(), rtol=1e-5, atol=1e-7
     ):
         raise RuntimeError("the native kernel disagrees with the eager reference")
+
+
+class NativeMomentum:
+    """GefenMuon's codebook8 momentum (``gefen.core.fused.MomentumAdvancer``) on the native
+    kernel: fp32 and bf16 gradients; other dtypes take the eager reference."""
+
+    def __init__(self) -> None:
+        self._function = build_library().gefen_momentum_codebook8
+        self._table = _CountTable()
+
+    def __call__(
+        self,
+        grad: Tensor,
+        codes: Tensor,
+        scale: Tensor,
+        codebook: Tensor,
+        weight: float,
+        seed: tuple[int, int] | None,
+    ) -> Tensor:
+        from gefen.core.fused import eager_advance_momentum_, stream_value
+
+        if grad.dtype not in _DTYPES or grad.device.type != "cpu":
+            return eager_advance_momentum_(grad, codes, scale, codebook, weight, seed)
+        blocks, period = codes.shape
+        gradient = grad.reshape(blocks, period).contiguous()
+        table, window = self._table(codebook)
+        out = torch.empty(blocks, period, dtype=torch.float32)
+        packed = _Scalars(one_minus_beta1=weight, stochastic=int(seed is not None))
+        packed.threads = torch.get_num_threads()
+        packed.stream = stream_value(seed)
+        status = self._function(
+            gradient.data_ptr(), _DTYPES[grad.dtype], codes.data_ptr(), scale.data_ptr(),
+            out.data_ptr(), blocks, period, codebook.contiguous().data_ptr(), table.data_ptr(),
+            window, ctypes.byref(packed),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"native kernel rejected its input (status {status})")
+        return out
+
+
+def native_momentum() -> NativeMomentum:
+    """Build (or load) the library and check the momentum kernel against the reference."""
+    from gefen.core.fused import eager_advance_momentum_
+
+    advance = NativeMomentum()
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(4, 8, generator=generator)
+    codes = torch.randint(0, 256, (4, 8), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(4, 1, generator=generator)
+    codebook = torch.linspace(-1.0, 1.0, 256)
+    expected_codes, expected_scale = codes.clone(), scale.clone()
+    got = advance(grad, codes, scale, codebook, 0.05, (3, 1))
+    want = eager_advance_momentum_(grad, expected_codes, expected_scale, codebook, 0.05, (3, 1))
+    if not torch.equal(codes, expected_codes) or not torch.allclose(got, want, rtol=1e-6):
+        raise RuntimeError("the native momentum kernel disagrees with the eager reference")
+    return advance

@@ -353,3 +353,46 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
     free(column_roots);
     return failed ? 2 : 0;
 }
+
+/* GefenMuon's step 1 for codebook8 momentum: ``lerp(decode, g, weight)`` re-encoded into
+ * ``codes``/``scale`` in place; ``out`` (fp32, contiguous) receives the decoded stored momentum.
+ * ``s`` supplies ``one_minus_beta1`` (the weight), ``stochastic``, ``stream`` and ``threads``. */
+int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, float *scale,
+                             float *out, int64_t blocks, int64_t period, const float *codebook,
+                             const int32_t *table, int32_t window, const gefen_scalars *s) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
+    int failed = 0;
+    int64_t sub = period < SCRATCH ? period : SCRATCH;
+#pragma omp parallel num_threads(s->threads)
+    {
+        scratch w;
+        if (!scratch_init(&w, sub)) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; ++b) {
+                int64_t first = b * period;
+                float old_scale = scale[b], maximum = 0.0f;
+                for (int64_t o = 0; o < period; o += sub) {
+                    int64_t len = period - o < sub ? period - o : sub;
+                    float part = advance(grad, dtype, first + o, len, codes + first + o, old_scale,
+                                         codebook, s->one_minus_beta1, w.advanced);
+                    maximum = nan_max(maximum, part);
+                }
+                scale[b] = maximum;
+                for (int64_t o = 0; o < period; o += sub) {
+                    int64_t len = period - o < sub ? period - o : sub;
+                    if (period > sub)
+                        advance(grad, dtype, first + o, len, codes + first + o, old_scale,
+                                codebook, s->one_minus_beta1, w.advanced);
+                    encode_block(w.advanced, maximum, len, codebook, table, window, s, first + o,
+                                 &w, codes + first + o);
+                    float *restrict target = out + first + o;
+                    for (int64_t j = 0; j < len; ++j) target[j] = w.advanced[j] * maximum;
+                }
+            }
+        }
+        scratch_free(&w);
+    }
+    return failed ? 2 : 0;
+}
