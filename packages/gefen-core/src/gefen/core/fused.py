@@ -38,6 +38,7 @@ from gefen.core.kernels.update import (
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "CodebookTables",
     "FusedImplementation",
     "KernelKey",
     "KernelSelector",
@@ -195,18 +196,21 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class _CodebookTables:
-    """The count table and scan window of a codebook, cached by the tensor object and its
-    version (the cache holds the tensor, so its identity cannot be reused by another one)."""
+class CodebookTables:
+    """A codebook's count table (in ``table_dtype``) and scan window, cached by the tensor
+    object and its version (the cache holds the tensor, so its identity cannot be reused by
+    another one meanwhile)."""
 
-    def __init__(self) -> None:
+    def __init__(self, table_dtype: torch.dtype = torch.int64) -> None:
+        self._table_dtype = table_dtype
         self._codebook: Tensor | None = None
         self._version = -1
         self._value: tuple[Tensor, int] = (torch.zeros(0), 1)
 
     def get(self, codebook: Tensor) -> tuple[Tensor, int]:
         if codebook is not self._codebook or codebook._version != self._version:
-            self._value = (kernels.count_table(codebook), kernels.scan_window(codebook))
+            table = kernels.count_table(codebook).to(self._table_dtype).contiguous()
+            self._value = (table, kernels.scan_window(codebook))
             self._codebook, self._version = codebook, codebook._version
         return self._value
 
@@ -216,7 +220,7 @@ class FusedUpdater:
 
     def __init__(self, device_type: str) -> None:
         self._device_type = device_type
-        self._tables = _CodebookTables()
+        self._tables = CodebookTables()
 
     def _codebooks(
         self, entry: dict[str, Any], scalars: StepScalars
@@ -301,7 +305,7 @@ class FusedMomentum:
 
     def __init__(self, device_type: str) -> None:
         self._device_type = device_type
-        self._tables = _CodebookTables()
+        self._tables = CodebookTables()
 
     def __call__(
         self,

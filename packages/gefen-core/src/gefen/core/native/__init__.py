@@ -128,28 +128,14 @@ def build_library() -> ctypes.CDLL:
         return library
 
 
-class _CountTable:
-    """The codebook's int32 count table and scan window, cached by the tensor object and its
-    version (the cache holds the tensor, so its identity cannot be reused meanwhile)."""
-
-    def __init__(self) -> None:
-        self._key: tuple[Tensor | None, int] = (None, -1)
-        self._value: tuple[Tensor, int] = (torch.zeros(0), 1)
-
-    def __call__(self, codebook: Tensor) -> tuple[Tensor, int]:
-        if codebook is not self._key[0] or codebook._version != self._key[1]:
-            table = reference.count_table(codebook).to(torch.int32).contiguous()
-            self._value = (table, reference.scan_window(codebook))
-            self._key = (codebook, codebook._version)
-        return self._value
-
-
 class NativeUpdater:
     """The ``Updater`` of ``gefen.core.fused`` backed by the native kernel (CPU, contiguous)."""
 
     def __init__(self) -> None:
+        from gefen.core.fused import CodebookTables
+
         self._function = build_library().gefen_update_codebook8
-        self._table = _CountTable()
+        self._tables = CodebookTables(torch.int32)
 
     def __call__(self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: Any) -> None:
         from gefen.core.fused import hyper_values, stream_value
@@ -160,7 +146,7 @@ class NativeUpdater:
         work = param if param.is_contiguous() else param.contiguous()
         gradient = grad if grad.is_contiguous() else grad.contiguous()
         codebook = scalars.codebook.contiguous()
-        table, window = self._table(scalars.codebook)
+        table, window = self._tables.get(scalars.codebook)
         stream = stream_value(scalars.seed)
         packed = _Scalars(
             *hp[: reference.HP_SIZE],
@@ -233,8 +219,10 @@ class NativeMomentum:
     kernel: fp32 and bf16 gradients; other dtypes take the eager reference."""
 
     def __init__(self) -> None:
+        from gefen.core.fused import CodebookTables
+
         self._function = build_library().gefen_momentum_codebook8
-        self._table = _CountTable()
+        self._tables = CodebookTables(torch.int32)
 
     def __call__(
         self,
@@ -251,7 +239,7 @@ class NativeMomentum:
             return eager_advance_momentum_(grad, codes, scale, codebook, weight, seed)
         blocks, period = codes.shape
         gradient = grad.reshape(blocks, period).contiguous()
-        table, window = self._table(codebook)
+        table, window = self._tables.get(codebook)
         out = torch.empty(blocks, period, dtype=torch.float32)
         packed = _Scalars(one_minus_beta1=weight, stochastic=int(seed is not None))
         packed.threads = torch.get_num_threads()

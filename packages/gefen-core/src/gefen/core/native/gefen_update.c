@@ -130,6 +130,20 @@ static float advance(const void *grad, int dtype, int64_t first, int64_t period,
     return maximum;
 }
 
+/* The absolute maximum of a whole block's advanced momentum, ``sub`` elements at a time; when
+ * the block fits one pass (period <= sub) ``buffer`` keeps its advanced values. */
+static float block_maximum(const void *grad, int dtype, int64_t first, int64_t period,
+                           int64_t sub, const uint8_t *codes, float old_scale, const float *cb,
+                           float weight, float *buffer) {
+    float maximum = 0.0f;
+    for (int64_t o = 0; o < period; o += sub) {
+        int64_t len = period - o < sub ? period - o : sub;
+        float part = advance(grad, dtype, first + o, len, codes + o, old_scale, cb, weight, buffer);
+        maximum = nan_max(maximum, part);
+    }
+    return maximum;
+}
+
 /* Pass 2: the §6.3 index of every element, in vectorisable sweeps over the block; on return
  * ``advanced`` holds each element's chosen codeword (the apply pass scales it). */
 static void encode_block(float *restrict advanced, float maximum, int64_t period,
@@ -264,13 +278,9 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                 }
                 /* A block longer than the scratch is decoded twice (once for its maximum),
                  * so every pass stays in L1 whatever the period. */
-                float old_scale = scale[b], maximum = 0.0f;
-                for (int64_t o = 0; o < period; o += sub) {
-                    int64_t len = period - o < sub ? period - o : sub;
-                    float part = advance(grad, dtype, first + o, len, codes + first + o, old_scale,
-                                         cb, s->one_minus_beta1, w.advanced);
-                    maximum = nan_max(maximum, part);
-                }
+                float old_scale = scale[b];
+                float maximum = block_maximum(grad, dtype, first, period, sub, codes + first,
+                                              old_scale, cb, s->one_minus_beta1, w.advanced);
                 scale[b] = maximum;
                 for (int64_t o = 0; o < period; o += sub) {
                     int64_t len = period - o < sub ? period - o : sub;
@@ -372,13 +382,9 @@ int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, fl
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; ++b) {
                 int64_t first = b * period;
-                float old_scale = scale[b], maximum = 0.0f;
-                for (int64_t o = 0; o < period; o += sub) {
-                    int64_t len = period - o < sub ? period - o : sub;
-                    float part = advance(grad, dtype, first + o, len, codes + first + o, old_scale,
-                                         codebook, s->one_minus_beta1, w.advanced);
-                    maximum = nan_max(maximum, part);
-                }
+                float old_scale = scale[b];
+                float maximum = block_maximum(grad, dtype, first, period, sub, codes + first,
+                                              old_scale, codebook, s->one_minus_beta1, w.advanced);
                 scale[b] = maximum;
                 for (int64_t o = 0; o < period; o += sub) {
                     int64_t len = period - o < sub ? period - o : sub;
