@@ -47,7 +47,6 @@ class _Scalars(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("inv_bc1", ctypes.c_float),
         ("decay", ctypes.c_float),
-        ("decay64", ctypes.c_double),
         ("has_decay", ctypes.c_int32),
         ("write", ctypes.c_int32),
         ("stochastic", ctypes.c_int32),
@@ -150,7 +149,6 @@ class NativeUpdater:
         stream = stream_value(scalars.seed)
         packed = _Scalars(
             *hp[: reference.HP_SIZE],
-            hp[reference.HP_DECAY],
             int(scalars.lr * scalars.weight_decay != 0),
             int(scalars.lr != 0),
             int(scalars.seed is not None),

@@ -17,7 +17,6 @@
 
 typedef struct {
     float lr, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, inv_bc1, decay;
-    double decay64;
     int32_t has_decay, write, stochastic, threads;
     uint64_t stream;
 } gefen_scalars;
