@@ -15,7 +15,7 @@ import torch
 
 import gefen.core.fused as fused_module
 from gefen.core import Gefen
-from gefen.core.fused import compiled_graph_count
+from gefen.core.compiled import FusedMomentum, FusedUpdater, compiled_graph_count
 
 HAS_CC = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
 IMPLEMENTATIONS = [
@@ -217,9 +217,7 @@ def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
     optimizer = _optimizer(params, True, "codebook8", False, 0)
     _grads(params, 0)
     optimizer.step()  # fused=True: inductor is the next candidate, so no error
-    assert isinstance(
-        optimizer._kernel(optimizer.param_groups[0], params[0]), fused_module.FusedUpdater
-    )
+    assert isinstance(optimizer._kernel(optimizer.param_groups[0], params[0]), FusedUpdater)
 
 
 @pytest.mark.parametrize("implementation", ["native", "inductor"])
@@ -227,7 +225,7 @@ def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
 @pytest.mark.parametrize("seed", [None, (4, 2)])
 def test_fused_momentum_matches_the_eager_reference(implementation, dtype, seed) -> None:
     # GefenMuon's step 1 (gefen.core.fused.MomentumAdvancer), both implementations.
-    from gefen.core.fused import FusedMomentum, eager_advance_momentum_
+    from gefen.core.fused import eager_advance_momentum_
 
     if implementation == "native":
         if not HAS_CC:

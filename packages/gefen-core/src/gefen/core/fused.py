@@ -1,4 +1,7 @@
 """The in-place update of one parameter, its implementations and their selection (§7.1, §11).
+The compiled implementation lives in ``gefen.core.compiled``, the native one in
+``gefen.core.native``; this module holds the shared vocabulary, the eager reference and the
+registry.
 
 An *updater* takes one parameter's local tensor, its gradient, its initialized state entry and
 the step's ``StepScalars``, and writes the new codes, scales, second moments, counters and value
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,16 +47,13 @@ __all__ = [
     "MomentumAdvancer",
     "StepScalars",
     "Updater",
-    "compiled_graph_count",
     "eager_advance_momentum_",
     "eager_update_",
     "fused_momentum",
     "has_fused_implementation",
     "hyper_values",
-    "pack_hyper",
     "register_fused",
     "resolve_default",
-    "stream_tensor",
     "stream_value",
 ]
 
@@ -146,54 +145,11 @@ def hyper_values(scalars: StepScalars, t: int, tau: int) -> list[float]:
     return values
 
 
-def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> Tensor:
-    """``hyper_values`` as the one fp64 tensor the compiled kernels take."""
-    return torch.tensor(hyper_values(scalars, t, tau), dtype=torch.float64, device=device)
-
-
 def stream_value(seed: tuple[int, int] | None) -> int:
     """§6.3's stream seed (unsigned 64-bit; 0 without stochastic rounding)."""
     from gefen.core.kernels.quantize import stream_seed
 
     return 0 if seed is None else stream_seed(seed)
-
-
-def stream_tensor(seed: tuple[int, int] | None, device: torch.device) -> Tensor:
-    """``stream_value`` as the int64 (two's complement) 0-d tensor the fused encode hashes."""
-    value = stream_value(seed)
-    signed = value - (1 << 64) if value >= 1 << 63 else value
-    return torch.tensor(signed, dtype=torch.int64, device=device)
-
-
-_COMPILED: dict[tuple[str, str, tuple[Any, ...]], Callable[..., Any]] = {}
-
-
-def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any, ...]) -> Any:
-    """``function`` compiled for one structural variant (dtypes, codec, flags, scan window),
-    shared by every optimizer in the process.
-
-    Each variant gets its own copy of the function's code object: Dynamo caches graphs (and
-    counts its recompile limit) per code object, so variants never evict one another and the
-    graphs are bounded by the variants in use, whatever the shapes (dynamic) or scalars
-    (tensors) of the calls.
-    """
-    key = (function.__name__, device_type, variant)
-    found = _COMPILED.get(key)
-    if found is None:
-        code = function.__code__.replace(co_name=f"{function.__name__}_v{len(_COMPILED)}")
-        clone = types.FunctionType(
-            code, function.__globals__, code.co_name, function.__defaults__, function.__closure__
-        )
-        found = torch.compile(clone, fullgraph=True, dynamic=True)
-        _COMPILED[key] = found
-    return found
-
-
-def compiled_graph_count() -> int:
-    """Graphs Dynamo compiled so far in this process (for the harness and the tests)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 class CodebookTables:
@@ -213,65 +169,6 @@ class CodebookTables:
             self._value = (table, kernels.scan_window(codebook))
             self._codebook, self._version = codebook, codebook._version
         return self._value
-
-
-class FusedUpdater:
-    """``torch.compile``d in-place updates over chunks of whole blocks (``CHUNK_ELEMENTS``)."""
-
-    def __init__(self, device_type: str) -> None:
-        self._device_type = device_type
-        self._tables = CodebookTables()
-
-    def _codebooks(
-        self, entry: dict[str, Any], scalars: StepScalars
-    ) -> tuple[tuple[Tensor, ...], int]:
-        if "momentum_codes" not in entry:
-            return (), 1
-        assert scalars.codebook is not None
-        table, window = self._tables.get(scalars.codebook)
-        return (scalars.codebook, table), window
-
-    def __call__(
-        self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: StepScalars
-    ) -> None:
-        period = int(entry["period"])
-        t, tau = int(entry["step"]) + 1, int(entry["v_step"]) + 1
-        device = param.device
-        hp = pack_hyper(scalars, t, tau, device)
-        flags = (scalars.lr * scalars.weight_decay != 0, scalars.lr != 0)
-        blocks = param.numel() // period
-        work = param if param.is_contiguous() else param.contiguous()
-        param_blocks, grad_blocks = work.view(blocks, period), grad.reshape(blocks, period)
-        codebooks, window = self._codebooks(entry, scalars)
-        keys = ("momentum_codes", "momentum_scale") if codebooks else ("momentum",)
-        stream = stream_tensor(scalars.seed, device)
-        factored = "v_row" in entry
-        stochastic = scalars.seed is not None
-        variant = (param.dtype, grad.dtype, len(keys), stochastic, window, flags)
-        if factored:
-            moments = _compiled(kernels.factored_moments_, self._device_type, (grad.dtype,))
-            normaliser = moments(grad.reshape(param.shape), entry["v_row"], entry["v_col"], hp)
-            update = _compiled(kernels.factored_update_, self._device_type, variant)
-        else:
-            update = _compiled(kernels.block_update_, self._device_type, variant)
-        rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0)
-        for first_row in range(0, blocks, rows):
-            chunk = slice(first_row, min(blocks, first_row + rows))
-            first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
-            state = tuple(entry[key][chunk] for key in keys)
-            rounding = (window, stochastic, stream, first)
-            inputs = (param_blocks[chunk], grad_blocks[chunk], state)
-            if factored:
-                elements = (chunk.stop - chunk.start) * period
-                columns = int(param.shape[-1])
-                v_row = _rows_covered(entry["v_row"], columns, first_row * period, elements)
-                factors = (v_row, entry["v_col"], normaliser)
-                update(*inputs, factors, codebooks, hp, rounding, flags)
-            else:
-                update(*inputs, entry["v_block"][chunk], codebooks, hp, rounding, flags)
-        if work is not param and flags[1]:
-            param.copy_(work)
-        entry["step"], entry["v_step"] = t, tau
 
 
 MomentumAdvancer = Callable[
@@ -300,47 +197,6 @@ def eager_advance_momentum_(
     return decode_blocks(codes, scale, codebook)
 
 
-class FusedMomentum:
-    """The compiled ``MomentumAdvancer``, over chunks of whole blocks."""
-
-    def __init__(self, device_type: str) -> None:
-        self._device_type = device_type
-        self._tables = CodebookTables()
-
-    def __call__(
-        self,
-        grad: Tensor,
-        codes: Tensor,
-        scale: Tensor,
-        codebook: Tensor,
-        weight: float,
-        seed: tuple[int, int] | None,
-    ) -> Tensor:
-        blocks, period = codes.shape
-        device = codes.device
-        table, window = self._tables.get(codebook)
-        stream = stream_tensor(seed, device)
-        weight_tensor = torch.tensor(weight, dtype=torch.float32, device=device)
-        grad_blocks = grad.reshape(blocks, period)
-        out = torch.empty(blocks, period, dtype=torch.float32, device=device)
-        variant = (seed is not None, window)
-        function = _compiled(kernels.advance_momentum_, self._device_type, variant)
-        rows = max(1, CHUNK_ELEMENTS // period)
-        # Every chunk reaches the compiled function in one form (a slice of one fp32 staging
-        # buffer, whatever the gradient's dtype, shape or strides): Dynamo guards on how an
-        # input was made, so gradients passed as they come would multiply the graphs.
-        staging = torch.empty(min(rows, blocks), period, dtype=torch.float32, device=device)
-        for first_row in range(0, blocks, rows):
-            chunk = slice(first_row, min(blocks, first_row + rows))
-            first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
-            rounding = (window, seed is not None, stream, first)
-            state = (codes[chunk], scale[chunk])
-            gradient = staging[: chunk.stop - chunk.start]
-            gradient.copy_(grad_blocks[chunk])
-            out[chunk] = function(gradient, state, (codebook, table), weight_tensor, rounding)
-        return out
-
-
 def fused_momentum(device_type: str) -> MomentumAdvancer:
     """A fused ``MomentumAdvancer`` for ``device_type``, proven on a tiny input first (so a
     build failure surfaces where the caller selects it); raises on failure. On the CPU the
@@ -352,64 +208,9 @@ def fused_momentum(device_type: str) -> MomentumAdvancer:
             return native_momentum()
         except Exception as error:
             logger.info("native momentum kernel unavailable, using inductor: %s", error)
-    advance = FusedMomentum(device_type)
-    device = torch.device(device_type)
-    codes = torch.zeros(2, 8, dtype=torch.uint8, device=device)
-    scale = torch.zeros(2, 1, device=device)
-    codebook = torch.linspace(-1.0, 1.0, 256, device=device)
-    with torch.no_grad():
-        advance(torch.ones(2, 8, device=device), codes, scale, codebook, 0.05, None)
-    return advance
+    from gefen.core.compiled import compiled_momentum
 
-
-def _chunk_blocks(period: int, columns: int) -> int:
-    """Blocks per fused call: about ``CHUNK_ELEMENTS`` elements; for a factored (R, C)
-    parameter a multiple of whole rows too when that stays small (lcm(P, C) elements), so
-    the chunk's second moment is a broadcast instead of a per-element gather."""
-    rows = max(1, CHUNK_ELEMENTS // period)
-    if columns > 0:
-        unit = math.lcm(period, columns) // period
-        if unit * period <= 4 * CHUNK_ELEMENTS:
-            rows = max(unit, rows // unit * unit)
-    return rows
-
-
-def _rows_covered(v_row: Tensor, columns: int, first: int, elements: int) -> Tensor:
-    """The slice of ``v_row`` a chunk of ``elements`` from logical element ``first`` covers
-    exactly (whole rows of ``columns``), else the whole vector (the kernel then gathers)."""
-    if first % columns == 0 and elements % columns == 0:
-        return v_row[first // columns : (first + elements) // columns]
-    return v_row
-
-
-def _warm_up(updater: Updater, key: KernelKey) -> None:
-    """Compile (and run once) the graph ``key`` needs on a tiny parameter, so that a compile
-    failure surfaces in the local preflight instead of the commit."""
-    device_type, dtype, codec, family = key
-    device = torch.device(device_type)
-    param = torch.zeros(4, 8, dtype=dtype, device=device)
-    entry: dict[str, Any] = {"period": 8, "step": 0, "v_step": 0}
-    codebook = None
-    if codec == "codebook8":
-        codebook = torch.linspace(-1.0, 1.0, 256, device=device)
-        entry["momentum_codes"] = torch.zeros(4, 8, dtype=torch.uint8, device=device)
-        entry["momentum_scale"] = torch.zeros(4, 1, device=device)
-    else:
-        entry["momentum"] = torch.zeros(4, 8, device=device)
-    if family == "factored":
-        entry["v_row"] = torch.zeros(4, device=device)
-        entry["v_col"] = torch.zeros(8, device=device)
-    else:
-        entry["v_block"] = torch.zeros(4, 1, device=device)
-    scalars = StepScalars(1e-3, (0.9, 0.999), 1e-8, 0.0, codebook)
-    with torch.no_grad():  # the commit runs without grad; grad mode is part of Dynamo's guards
-        updater(param, torch.ones_like(param), entry, scalars)
-
-
-def _compile_inductor(device_type: str, key: KernelKey) -> Updater:
-    updater = FusedUpdater(device_type)
-    _warm_up(updater, key)
-    return updater
+    return compiled_momentum(device_type)
 
 
 # -- the registry and the per-optimizer selection --------------------------------------------
@@ -456,6 +257,12 @@ def register_fused(
             _REGISTRY.remove(implementation)
 
     return unregister
+
+
+def _compile_inductor(device_type: str, key: KernelKey) -> Updater:
+    from gefen.core.compiled import inductor_updater
+
+    return inductor_updater(device_type, key)
 
 
 def _compile_native(key: KernelKey) -> Updater:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from gefen.contracts import ParameterLayout, ShardingManifest
 from gefen.core import codebook_ops
+from gefen.core.checked import entry_signature, options_token
 from gefen.core.checkpoint import PreparedLoad, build_state_dict, prepare_load
 from gefen.core.finalization import (
     Finalized,
@@ -96,51 +97,6 @@ def _check_param_tensor(param: object) -> Tensor:
     return param
 
 
-def _options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What identifies a group's option values: type and value, or a tensor's identity and
-    version (an LR scheduler's ``fill_`` bumps it)."""
-    return tuple(
-        (name, type(value), id(value), value._version)
-        if isinstance(value, Tensor)
-        else (name, type(value), value)
-        for name, value in group.items()
-        if name not in ("params", "param_names")
-    )
-
-
-class _Held:
-    """Objects kept alive by a signature; always equal, so they never affect comparison."""
-
-    __slots__ = ("objects",)
-
-    def __init__(self, objects: tuple[Any, ...]) -> None:
-        self.objects = objects
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Held)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _entry_signature(
-    group: Mapping[str, Any], param: Tensor, entry: Mapping[str, Any]
-) -> tuple[Any, ...]:
-    """What an entry's structural match depends on: the objects involved (by identity) and the
-    shapes. The objects themselves ride along (last item) so no id can be reused meanwhile;
-    comparison uses the identities only."""
-    local = local_tensor(param)
-    tensors = [value for value in entry.values() if isinstance(value, Tensor)]
-    values = tuple(
-        (key, id(value), tuple(value.shape), value.dtype)
-        if isinstance(value, Tensor)
-        else (key, value)
-        for key, value in entry.items()
-        if key not in ("step", "v_step")
-    )
-    identity = (id(param), id(group), id(entry), id(local), tuple(local.shape), param.dim())
-    return (identity, values, _Held((param, group, entry, local, *tensors)))
-
-
 class OptimizerShell(HookedStepState, Optimizer):
     """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (10-core.md §1.1)."""
 
@@ -201,7 +157,7 @@ class OptimizerShell(HookedStepState, Optimizer):
                 entry = self.state[param]
                 if entry.get("period", 0) == 0 and not is_initialized(entry):
                     continue
-                signature = _entry_signature(group, param, entry)
+                signature = entry_signature(group, param, entry)
                 if previous.get(id(param)) != signature:
                     reason = entry_matches(entry, self._entry_spec(group, param))
                     if reason is not None:
@@ -334,7 +290,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         param_group.update(candidate)
         self.param_groups.append(param_group)
         validated = self.__dict__.setdefault("_validated_options", {})
-        validated[id(param_group)] = (param_group, _options_token(param_group))
+        validated[id(param_group)] = (param_group, options_token(param_group))
         for param in param_group["params"]:
             self.state[param] = {"period": 0}
 
@@ -374,7 +330,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         passed: dict[int, tuple[dict[str, Any], tuple[Any, ...]]] = {}
         previous = self.__dict__.get("_validated_options", {})
         for group in self.param_groups:
-            token = _options_token(group)
+            token = options_token(group)
             seen = previous.get(id(group))
             if seen is None or seen[0] is not group or seen[1] != token:
                 self._validate_group(group)

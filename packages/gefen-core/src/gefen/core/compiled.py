@@ -1,0 +1,245 @@
+"""The compiled (inductor) implementation of the fused update (10-core.md §11).
+
+The functions of ``gefen.core.kernels.fused_update`` compiled with ``torch.compile(fullgraph=
+True, dynamic=True)`` and called over chunks of whole blocks (``CHUNK_ELEMENTS``), so the extra
+memory is one chunk's; the same source becomes C++ on the CPU and Triton on CUDA. Scalars arrive
+packed in one tensor, so an LR schedule never recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.core.fused import (
+    CHUNK_ELEMENTS,
+    CodebookTables,
+    KernelKey,
+    MomentumAdvancer,
+    StepScalars,
+    Updater,
+    hyper_values,
+    stream_value,
+)
+from gefen.core.kernels import fused_update as kernels
+
+__all__ = [
+    "FusedMomentum",
+    "FusedUpdater",
+    "compiled_graph_count",
+    "compiled_momentum",
+    "inductor_updater",
+    "pack_hyper",
+    "stream_tensor",
+]
+
+
+def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> Tensor:
+    """``hyper_values`` as the one fp64 tensor the compiled kernels take."""
+    return torch.tensor(hyper_values(scalars, t, tau), dtype=torch.float64, device=device)
+
+
+def stream_tensor(seed: tuple[int, int] | None, device: torch.device) -> Tensor:
+    """``stream_value`` as the int64 (two's complement) 0-d tensor the fused encode hashes."""
+    value = stream_value(seed)
+    signed = value - (1 << 64) if value >= 1 << 63 else value
+    return torch.tensor(signed, dtype=torch.int64, device=device)
+
+
+_COMPILED: dict[tuple[str, str, tuple[Any, ...]], Callable[..., Any]] = {}
+
+
+def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any, ...]) -> Any:
+    """``function`` compiled for one structural variant (dtypes, codec, flags, scan window),
+    shared by every optimizer in the process.
+
+    Each variant gets its own copy of the function's code object: Dynamo caches graphs (and
+    counts its recompile limit) per code object, so variants never evict one another and the
+    graphs are bounded by the variants in use, whatever the shapes (dynamic) or scalars
+    (tensors) of the calls.
+    """
+    key = (function.__name__, device_type, variant)
+    found = _COMPILED.get(key)
+    if found is None:
+        code = function.__code__.replace(co_name=f"{function.__name__}_v{len(_COMPILED)}")
+        clone = types.FunctionType(
+            code, function.__globals__, code.co_name, function.__defaults__, function.__closure__
+        )
+        found = torch.compile(clone, fullgraph=True, dynamic=True)
+        _COMPILED[key] = found
+    return found
+
+
+def compiled_graph_count() -> int:
+    """Graphs Dynamo compiled so far in this process (for the harness and the tests)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class FusedUpdater:
+    """``torch.compile``d in-place updates over chunks of whole blocks (``CHUNK_ELEMENTS``)."""
+
+    def __init__(self, device_type: str) -> None:
+        self._device_type = device_type
+        self._tables = CodebookTables()
+
+    def _codebooks(
+        self, entry: dict[str, Any], scalars: StepScalars
+    ) -> tuple[tuple[Tensor, ...], int]:
+        if "momentum_codes" not in entry:
+            return (), 1
+        assert scalars.codebook is not None
+        table, window = self._tables.get(scalars.codebook)
+        return (scalars.codebook, table), window
+
+    def __call__(
+        self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: StepScalars
+    ) -> None:
+        period = int(entry["period"])
+        t, tau = int(entry["step"]) + 1, int(entry["v_step"]) + 1
+        device = param.device
+        hp = pack_hyper(scalars, t, tau, device)
+        flags = (scalars.lr * scalars.weight_decay != 0, scalars.lr != 0)
+        blocks = param.numel() // period
+        work = param if param.is_contiguous() else param.contiguous()
+        param_blocks, grad_blocks = work.view(blocks, period), grad.reshape(blocks, period)
+        codebooks, window = self._codebooks(entry, scalars)
+        keys = ("momentum_codes", "momentum_scale") if codebooks else ("momentum",)
+        stream = stream_tensor(scalars.seed, device)
+        factored = "v_row" in entry
+        stochastic = scalars.seed is not None
+        variant = (param.dtype, grad.dtype, len(keys), stochastic, window, flags)
+        if factored:
+            moments = _compiled(kernels.factored_moments_, self._device_type, (grad.dtype,))
+            normaliser = moments(grad.reshape(param.shape), entry["v_row"], entry["v_col"], hp)
+            update = _compiled(kernels.factored_update_, self._device_type, variant)
+        else:
+            update = _compiled(kernels.block_update_, self._device_type, variant)
+        rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0)
+        for first_row in range(0, blocks, rows):
+            chunk = slice(first_row, min(blocks, first_row + rows))
+            first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
+            state = tuple(entry[key][chunk] for key in keys)
+            rounding = (window, stochastic, stream, first)
+            inputs = (param_blocks[chunk], grad_blocks[chunk], state)
+            if factored:
+                elements = (chunk.stop - chunk.start) * period
+                columns = int(param.shape[-1])
+                v_row = _rows_covered(entry["v_row"], columns, first_row * period, elements)
+                factors = (v_row, entry["v_col"], normaliser)
+                update(*inputs, factors, codebooks, hp, rounding, flags)
+            else:
+                update(*inputs, entry["v_block"][chunk], codebooks, hp, rounding, flags)
+        if work is not param and flags[1]:
+            param.copy_(work)
+        entry["step"], entry["v_step"] = t, tau
+
+
+class FusedMomentum:
+    """The compiled ``MomentumAdvancer``, over chunks of whole blocks."""
+
+    def __init__(self, device_type: str) -> None:
+        self._device_type = device_type
+        self._tables = CodebookTables()
+
+    def __call__(
+        self,
+        grad: Tensor,
+        codes: Tensor,
+        scale: Tensor,
+        codebook: Tensor,
+        weight: float,
+        seed: tuple[int, int] | None,
+    ) -> Tensor:
+        blocks, period = codes.shape
+        device = codes.device
+        table, window = self._tables.get(codebook)
+        stream = stream_tensor(seed, device)
+        weight_tensor = torch.tensor(weight, dtype=torch.float32, device=device)
+        grad_blocks = grad.reshape(blocks, period)
+        out = torch.empty(blocks, period, dtype=torch.float32, device=device)
+        variant = (seed is not None, window)
+        function = _compiled(kernels.advance_momentum_, self._device_type, variant)
+        rows = max(1, CHUNK_ELEMENTS // period)
+        # Every chunk reaches the compiled function in one form (a slice of one fp32 staging
+        # buffer, whatever the gradient's dtype, shape or strides): Dynamo guards on how an
+        # input was made, so gradients passed as they come would multiply the graphs.
+        staging = torch.empty(min(rows, blocks), period, dtype=torch.float32, device=device)
+        for first_row in range(0, blocks, rows):
+            chunk = slice(first_row, min(blocks, first_row + rows))
+            first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
+            rounding = (window, seed is not None, stream, first)
+            state = (codes[chunk], scale[chunk])
+            gradient = staging[: chunk.stop - chunk.start]
+            gradient.copy_(grad_blocks[chunk])
+            out[chunk] = function(gradient, state, (codebook, table), weight_tensor, rounding)
+        return out
+
+
+def _chunk_blocks(period: int, columns: int) -> int:
+    """Blocks per fused call: about ``CHUNK_ELEMENTS`` elements; for a factored (R, C)
+    parameter a multiple of whole rows too when that stays small (lcm(P, C) elements), so
+    the chunk's second moment is a broadcast instead of a per-element gather."""
+    rows = max(1, CHUNK_ELEMENTS // period)
+    if columns > 0:
+        unit = math.lcm(period, columns) // period
+        if unit * period <= 4 * CHUNK_ELEMENTS:
+            rows = max(unit, rows // unit * unit)
+    return rows
+
+
+def _rows_covered(v_row: Tensor, columns: int, first: int, elements: int) -> Tensor:
+    """The slice of ``v_row`` a chunk of ``elements`` from logical element ``first`` covers
+    exactly (whole rows of ``columns``), else the whole vector (the kernel then gathers)."""
+    if first % columns == 0 and elements % columns == 0:
+        return v_row[first // columns : (first + elements) // columns]
+    return v_row
+
+
+def _warm_up(updater: Updater, key: KernelKey) -> None:
+    """Compile (and run once) the graph ``key`` needs on a tiny parameter, so that a compile
+    failure surfaces in the local preflight instead of the commit."""
+    device_type, dtype, codec, family = key
+    device = torch.device(device_type)
+    param = torch.zeros(4, 8, dtype=dtype, device=device)
+    entry: dict[str, Any] = {"period": 8, "step": 0, "v_step": 0}
+    codebook = None
+    if codec == "codebook8":
+        codebook = torch.linspace(-1.0, 1.0, 256, device=device)
+        entry["momentum_codes"] = torch.zeros(4, 8, dtype=torch.uint8, device=device)
+        entry["momentum_scale"] = torch.zeros(4, 1, device=device)
+    else:
+        entry["momentum"] = torch.zeros(4, 8, device=device)
+    if family == "factored":
+        entry["v_row"] = torch.zeros(4, device=device)
+        entry["v_col"] = torch.zeros(8, device=device)
+    else:
+        entry["v_block"] = torch.zeros(4, 1, device=device)
+    scalars = StepScalars(1e-3, (0.9, 0.999), 1e-8, 0.0, codebook)
+    with torch.no_grad():  # the commit runs without grad; grad mode is part of Dynamo's guards
+        updater(param, torch.ones_like(param), entry, scalars)
+
+
+def inductor_updater(device_type: str, key: KernelKey) -> Updater:
+    """The compiled updater for ``key``, its main graph compiled (and run once) already."""
+    updater = FusedUpdater(device_type)
+    _warm_up(updater, key)
+    return updater
+
+
+def compiled_momentum(device_type: str) -> MomentumAdvancer:
+    """A compiled ``MomentumAdvancer`` for ``device_type``, proven on a tiny input first."""
+    advance = FusedMomentum(device_type)
+    device = torch.device(device_type)
+    codes = torch.zeros(2, 8, dtype=torch.uint8, device=device)
+    scale = torch.zeros(2, 1, device=device)
+    codebook = torch.linspace(-1.0, 1.0, 256, device=device)
+    with torch.no_grad():
+        advance(torch.ones(2, 8, device=device), codes, scale, codebook, 0.05, None)
+    return advance
