@@ -34,6 +34,7 @@ from gefen.core.shell import OptimizerShell
 from gefen.core.state import (
     CodecKeys,
     EntrySpec,
+    Family,
     allocate_entry,
     entry_family,
     is_initialized,
@@ -51,7 +52,7 @@ class _PlannedUpdate:
 
     param: Tensor
     group: Mapping[str, Any]
-    label: str
+    position: tuple[int, int]  # (group index, index in the group): the label, when needed
     period: int
     scalars: StepScalars
 
@@ -121,17 +122,22 @@ class Gefen(OptimizerShell):
 
     # -- the state codec --------------------------------------------------------------------
 
+    @staticmethod
+    def _family(group: Mapping[str, Any], param: Tensor) -> Family:
+        """The second-moment family: factored iff a plain 2-D tensor in a factored group."""
+        plain_matrix = param.dim() == 2 and not is_dtensor(param)
+        return "factored" if plain_matrix and bool(group["factored_v_2d"]) else "block"
+
     def _entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
         plain_matrix = param.dim() == 2 and not is_dtensor(param)
         matrix = (int(param.shape[0]), int(param.shape[1])) if plain_matrix else None
-        factored = plain_matrix and bool(group["factored_v_2d"])
         return EntrySpec(
             numel=local_tensor(param).numel(),
             matrix_shape=matrix,
             codec_keys=self.CODEC_KEYS,
             dense_dtype=torch.float32,
             dense_shape=None,
-            second_moment="factored" if factored else "block",
+            second_moment=self._family(group, param),
         )
 
     def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
@@ -155,8 +161,7 @@ class Gefen(OptimizerShell):
     # -- kernels (§11) ----------------------------------------------------------------------
 
     def _kernel_key(self, group: Mapping[str, Any], param: Tensor) -> KernelKey:
-        factored = param.dim() == 2 and not is_dtensor(param) and bool(group["factored_v_2d"])
-        family = "factored" if factored else "block"  # as _entry_spec decides
+        family = self._family(group, param)
         return (
             local_tensor(param).device.type,
             param.dtype,
@@ -200,9 +205,8 @@ class Gefen(OptimizerShell):
                     weight_decay=float(group["weight_decay"]),
                     seed=(self._global_step, index) if stochastic else None,
                 )
-                label = parameter_label(group, group_index, position)
                 period = learning.periods.get(index, self.state[param]["period"])
-                plan.append(_PlannedUpdate(param, group, label, period, scalars))
+                plan.append(_PlannedUpdate(param, group, (group_index, position), period, scalars))
         return plan
 
     def _live_entry(self, planned: _PlannedUpdate) -> dict[str, Any]:
@@ -215,7 +219,8 @@ class Gefen(OptimizerShell):
             fresh = allocate_entry(spec, planned.period, codebook8=self._codebook8, device=device)
         elif entry_family(entry) != spec.second_moment:
             warnings.warn(
-                f"Gefen: parameter {planned.label} switches its second moment to the "
+                f"Gefen: parameter {parameter_label(group, *planned.position)} switches"
+                f" its second moment to the "
                 f"{spec.second_moment} family (factored_v_2d changed); it restarts at v_step 0",
                 UserWarning,
                 stacklevel=2,
