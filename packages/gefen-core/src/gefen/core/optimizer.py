@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -213,8 +213,14 @@ class Gefen(OptimizerShell):
         """The parameter's own entry, allocated, migrated or moved to its device as needed."""
         param, group = planned.param, planned.group
         entry: dict[str, Any] = self.state[param]
-        spec = self._entry_spec(group, param)
         device = local_tensor(param).device
+        if (
+            is_initialized(entry)
+            and entry_family(entry) == self._family(group, param)
+            and all(value.device == device for value in entry.values() if isinstance(value, Tensor))
+        ):
+            return entry  # the usual case: nothing to allocate, migrate or move
+        spec = self._entry_spec(group, param)
         if not is_initialized(entry):
             fresh = allocate_entry(spec, planned.period, codebook8=self._codebook8, device=device)
         elif entry_family(entry) != spec.second_moment:
@@ -226,8 +232,6 @@ class Gefen(OptimizerShell):
                 stacklevel=2,
             )
             fresh = migrate_family(entry, spec, device)
-        elif all(value.device == device for value in entry.values() if isinstance(value, Tensor)):
-            return entry  # the usual case: nothing to allocate, migrate or move
         else:
             fresh = {
                 key: value.to(device) if isinstance(value, Tensor) else value
@@ -249,7 +253,10 @@ class Gefen(OptimizerShell):
                 device = local.device
                 if device not in codebooks:
                     codebooks[device] = self._codebook.to(device)
-                scalars = replace(scalars, codebook=codebooks[device])
+                scalars = StepScalars(
+                    scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
+                    codebooks[device], scalars.seed,
+                )  # fmt: skip
             grad = local_tensor(planned.param.grad)
             updater = self._kernel(planned.group, planned.param) or eager_update_
             updater(local, grad, entry, scalars)

@@ -2,11 +2,13 @@
 
 Inductor's CPU code performs every indirect load lane by lane and decodes each block twice, so
 the compiled Python source cannot reach fused AdamW's speed on a CPU. This small C kernel does
-one block at a time in an L1-resident buffer. It is compiled with the C compiler inductor needs
+one block at a time in an L1-resident buffer; on AVX-512 CPUs with VBMI its table lookups are
+byte permutations in registers instead of gathers (``gefen_avx512.h``). It is compiled with the C compiler inductor needs
 anyway (``cc``/``gcc``, ``-O3 -march=native``, OpenMP when available) into a per-user cache and
 called through ``ctypes`` with raw pointers, so it needs no Python or torch headers and builds
 in about a second. It covers codebook8 momentum on fp32 and bf16 parameters, both families,
-nearest and stochastic rounding; everything else takes the inductor implementation.
+nearest and stochastic rounding; everything else takes the inductor implementation. The same
+library holds the CPU finiteness check of §7.2 (``first_nonfinite``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen.core.fused import hyper_values, stream_value
 from gefen.core.kernels import fused_update as reference
 
-__all__ = ["NativeMomentum", "NativeUpdater", "build_library", "native_momentum", "native_updater"]
+__all__ = [
+    "EncodeTables",
+    "NativeMomentum",
+    "NativeUpdater",
+    "build_library",
+    "first_nonfinite",
+    "native_momentum",
+    "native_updater",
+    "simd_available",
+]
 
 logger = logging.getLogger("gefen.core")
 
 _SOURCE = pathlib.Path(__file__).with_name("gefen_update.c")
+_HEADERS = tuple(
+    pathlib.Path(__file__).with_name(name)
+    for name in ("gefen_avx512.h", "gefen_tables.h", "gefen_finite.h")
+)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _LOCK = threading.Lock()
 _LIBRARY: ctypes.CDLL | None = None
@@ -51,6 +67,7 @@ class _Scalars(ctypes.Structure):
         ("write", ctypes.c_int32),
         ("stochastic", ctypes.c_int32),
         ("threads", ctypes.c_int32),
+        ("portable", ctypes.c_int32),
         ("stream", ctypes.c_uint64),
     ]
 
@@ -102,7 +119,8 @@ def build_library() -> ctypes.CDLL:
     with _LOCK:
         if _LIBRARY is not None:
             return _LIBRARY
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+        sources = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
+        digest = hashlib.sha256(sources).hexdigest()[:16]
         target = _cache_dir() / f"gefen_update-{digest}-{_machine_key()}.so"
         if not target.exists():
             logger.info("building the native Gefen kernel into %s", target)
@@ -113,57 +131,114 @@ def build_library() -> ctypes.CDLL:
         function.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(_Scalars),
         ]  # fmt: skip
         momentum = library.gefen_momentum_codebook8
         momentum.restype = ctypes.c_int
         momentum.argtypes = [
             ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(_Scalars),
         ]  # fmt: skip
+        library.gefen_build_tables.restype = ctypes.c_int
+        library.gefen_build_tables.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        library.gefen_tables_size.restype = ctypes.c_int64
+        library.gefen_tables_size.argtypes = []
+        library.gefen_simd_available.restype = ctypes.c_int32
+        library.gefen_simd_available.argtypes = []
+        finite = library.gefen_first_nonfinite
+        finite.restype = ctypes.c_int64
+        finite.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         _LIBRARY = library
         return library
+
+
+def simd_available() -> bool:
+    """Whether the built kernel has its AVX-512 passes (else only the portable loops)."""
+    return bool(build_library().gefen_simd_available())
+
+
+_FINITE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def first_nonfinite(tensors: list[Tensor]) -> int | None:
+    """The position of the first tensor holding a NaN or ±Inf (-1 if none), in one native
+    pass over each; None where the native check does not apply: the library is not loaded yet
+    (only a kernel selection loads it, so an eager-only run never builds it), or a tensor is
+    not a contiguous CPU tensor of a floating dtype it reads."""
+    library = _LIBRARY
+    if library is None or not tensors:
+        return None
+    for tensor in tensors:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.dtype not in _FINITE_DTYPES
+            or not tensor.is_contiguous()
+        ):
+            return None
+    count = len(tensors)
+    pointers = (ctypes.c_void_p * count)(*(tensor.data_ptr() for tensor in tensors))
+    sizes = (ctypes.c_int64 * count)(*(tensor.numel() for tensor in tensors))
+    kinds = (ctypes.c_int32 * count)(*(_FINITE_DTYPES[tensor.dtype] for tensor in tensors))
+    return int(library.gefen_first_nonfinite(pointers, sizes, kinds, count))
+
+
+class EncodeTables:
+    """The kernel's encode tables of a codebook (``gefen_tables`` in the C file: bucket counts,
+    the nearest-rounding thresholds and their byte planes), built by the library and cached by
+    the codebook tensor and its version, as ``gefen.core.fused.CodebookTables`` does."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
+        self._size = int(library.gefen_tables_size())
+        self._codebook: Tensor | None = None
+        self._version = -1
+        self._tables = torch.zeros(0, dtype=torch.uint8)
+
+    def get(self, codebook: Tensor) -> Tensor:
+        if codebook is not self._codebook or codebook._version != self._version:
+            values = codebook.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            tables = torch.zeros(self._size, dtype=torch.uint8)
+            if self._library.gefen_build_tables(values.data_ptr(), tables.data_ptr()) != 0:
+                raise ValueError("native kernel: the codebook is not strictly increasing")
+            self._tables, self._codebook, self._version = tables, codebook, codebook._version
+        return self._tables
 
 
 class NativeUpdater:
     """The ``Updater`` of ``gefen.core.fused`` backed by the native kernel (CPU, contiguous)."""
 
-    def __init__(self) -> None:
-        from gefen.core.fused import CodebookTables
-
-        self._function = build_library().gefen_update_codebook8
-        self._tables = CodebookTables(torch.int32)
+    def __init__(self, *, portable: bool = False) -> None:
+        library = build_library()
+        self._function = library.gefen_update_codebook8
+        self._tables = EncodeTables(library)
+        self._portable = int(portable)
 
     def __call__(self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: Any) -> None:
-        from gefen.core.fused import hyper_values, stream_value
-
         period = int(entry["period"])
         t, tau = int(entry["step"]) + 1, int(entry["v_step"]) + 1
-        hp = hyper_values(scalars, t, tau)
         work = param if param.is_contiguous() else param.contiguous()
         gradient = grad if grad.is_contiguous() else grad.contiguous()
         codebook = scalars.codebook.contiguous()
-        table, window = self._tables.get(scalars.codebook)
-        stream = stream_value(scalars.seed)
         packed = _Scalars(
-            *hp[: reference.HP_SIZE],
+            *hyper_values(scalars, t, tau)[: reference.HP_SIZE],
             int(scalars.lr * scalars.weight_decay != 0),
             int(scalars.lr != 0),
             int(scalars.seed is not None),
             torch.get_num_threads(),
-            stream,
+            self._portable,
+            stream_value(scalars.seed),
         )
-        factored = "v_row" in entry
-        rows, cols = (int(param.shape[0]), int(param.shape[1])) if factored else (0, 0)
-        pointer = _pointer_or_null
+        v_row = entry.get("v_row")
+        rows, cols = (int(param.shape[0]), int(param.shape[1])) if v_row is not None else (0, 0)
         status = self._function(
             work.data_ptr(), gradient.data_ptr(), _DTYPES[param.dtype],
             entry["momentum_codes"].data_ptr(), entry["momentum_scale"].data_ptr(),
-            pointer(entry.get("v_block")), pointer(entry.get("v_row")), pointer(entry.get("v_col")),
-            rows, cols, param.numel() // period, period, codebook.data_ptr(), table.data_ptr(),
-            window, ctypes.byref(packed),
+            _pointer_or_null(entry.get("v_block")), _pointer_or_null(v_row),
+            _pointer_or_null(entry.get("v_col")), rows, cols, param.numel() // period, period,
+            codebook.data_ptr(), self._tables.get(scalars.codebook).data_ptr(),
+            ctypes.byref(packed),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native kernel rejected its input (status {status})")
@@ -216,11 +291,11 @@ class NativeMomentum:
     """GefenMuon's codebook8 momentum (``gefen.core.fused.MomentumAdvancer``) on the native
     kernel: fp32 and bf16 gradients; other dtypes take the eager reference."""
 
-    def __init__(self) -> None:
-        from gefen.core.fused import CodebookTables
-
-        self._function = build_library().gefen_momentum_codebook8
-        self._tables = CodebookTables(torch.int32)
+    def __init__(self, *, portable: bool = False) -> None:
+        library = build_library()
+        self._function = library.gefen_momentum_codebook8
+        self._tables = EncodeTables(library)
+        self._portable = int(portable)
 
     def __call__(
         self,
@@ -237,15 +312,16 @@ class NativeMomentum:
             return eager_advance_momentum_(grad, codes, scale, codebook, weight, seed)
         blocks, period = codes.shape
         gradient = grad.reshape(blocks, period).contiguous()
-        table, window = self._tables.get(codebook)
+        tables = self._tables.get(codebook)
         out = torch.empty(blocks, period, dtype=torch.float32)
         packed = _Scalars(one_minus_beta1=weight, stochastic=int(seed is not None))
         packed.threads = torch.get_num_threads()
+        packed.portable = self._portable
         packed.stream = stream_value(seed)
         status = self._function(
             gradient.data_ptr(), _DTYPES[grad.dtype], codes.data_ptr(), scale.data_ptr(),
-            out.data_ptr(), blocks, period, codebook.contiguous().data_ptr(), table.data_ptr(),
-            window, ctypes.byref(packed),
+            out.data_ptr(), blocks, period, codebook.contiguous().data_ptr(), tables.data_ptr(),
+            ctypes.byref(packed),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native kernel rejected its input (status {status})")

@@ -6,6 +6,11 @@
  * in place. Built on first use by gefen.core.native (plain C, no Python or torch headers) and
  * called through ctypes; the eager kernels of gefen.core.kernels stay the reference it is
  * tested against. Float arithmetic follows the eager order (fp32 except where noted).
+ *
+ * Nearest rounding counts thresholds instead of comparing neighbours: T_j (gefen_tables.h) is
+ * the largest fp32 value §6.3's rule sends to codeword j or below, so the index of x is
+ * #{T_j < x}, exactly the eager result. On AVX-512 (with VBMI) the block passes of
+ * gefen_avx512.h run instead of the portable loops here; both give the same bits (tested).
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,9 +20,29 @@
 #define CODEBOOK_SIZE 256
 #define TABLE_BUCKETS 4096
 
+#define COARSE_BUCKETS 512
+
+/* What the encode reads besides the codebook, built once per codebook by gefen_build_tables.
+ * ``count``/``window``: #{codewords in lower buckets} and the most codewords in one bucket
+ * (stochastic rounding needs both neighbours). ``threshold``: T_j, the largest fp32 value whose
+ * nearest codeword (§6.3's rule, ties to the lower) is at most j, so that the nearest index of x
+ * is #{j : T_j < x}; T_255 = +inf. ``threshold_count``/``threshold_window``: the same bucket
+ * table over the thresholds. The SIMD path keeps its tables in registers: ``coarse`` is the
+ * threshold count over 256 buckets (one byte each) with ``coarse_window``, and ``*_planes`` hold
+ * byte k of every codeword / threshold (plane k, 256 bytes), for 64-lane byte lookups. */
+typedef struct {
+    int32_t count[TABLE_BUCKETS];
+    int32_t threshold_count[TABLE_BUCKETS];
+    float threshold[CODEBOOK_SIZE];
+    int32_t window, threshold_window, coarse_window, reserved;
+    uint8_t coarse[COARSE_BUCKETS];
+    uint8_t codebook_planes[4][CODEBOOK_SIZE];
+    uint8_t threshold_planes[4][CODEBOOK_SIZE];
+} gefen_tables;
+
 typedef struct {
     float lr, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, inv_bc1, decay;
-    int32_t has_decay, write, stochastic, threads;
+    int32_t has_decay, write, stochastic, threads, portable; /* portable: skip the SIMD passes */
     uint64_t stream;
 } gefen_scalars;
 
@@ -58,18 +83,28 @@ static inline float draw(uint64_t stream, int64_t k) {
     return (float)(hashed >> 40) * (1.0f / 16777216.0f);
 }
 
+/* The bucket of x in [-1, 1] (NaN -> 0): monotone non-decreasing, branch-free. */
 static inline int32_t bucket(float x) {
     float b = floorf((x + 1.0f) * (float)(TABLE_BUCKETS / 2));
-    if (!(b >= 0.0f)) return 0;
-    return b > (float)(TABLE_BUCKETS - 1) ? TABLE_BUCKETS - 1 : (int32_t)b;
+    b = b > 0.0f ? b : 0.0f;
+    b = b < (float)(TABLE_BUCKETS - 1) ? b : (float)(TABLE_BUCKETS - 1);
+    return (int32_t)b;
+}
+
+/* The coarse bucket of x in [-1, 1] (NaN -> 0), for the SIMD path's byte table. */
+static inline int32_t coarse_bucket(float x) {
+    float b = floorf((x + 1.0f) * (float)(COARSE_BUCKETS / 2));
+    b = b > 0.0f ? b : 0.0f;
+    b = b < (float)(COARSE_BUCKETS - 1) ? b : (float)(COARSE_BUCKETS - 1);
+    return (int32_t)b;
 }
 
 static inline float step_size(float second_moment, const gefen_scalars *s) {
     return (1.0f / (sqrtf(second_moment) / s->sqrt_bc2 + s->eps)) * s->inv_bc1;
 }
 
-/* Elements of a block handled per pass: the scratch buffers (16 KB in all) stay in L1. */
-#define SCRATCH 1024
+/* Elements of a block handled per pass: the scratch buffers (32 KB at most) stay in L1/L2. */
+#define SCRATCH 2048
 
 /* The larger of two block maxima, NaN if either is (the bit order of advance()). */
 static inline float nan_max(float a, float b) {
@@ -129,15 +164,37 @@ static float advance(const void *grad, int dtype, int64_t first, int64_t period,
     return maximum;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VBMI__)
+#define GEFEN_AVX512 1
+#include "gefen_avx512.h"
+#else
+#define GEFEN_AVX512 0
+#endif
+
+/* advance() on the fastest path the build has (the SIMD one unless ``portable``). */
+static float advance_any(const void *grad, int dtype, int64_t first, int64_t period,
+                         const uint8_t *codes, float old_scale, const float *cb, float weight,
+                         float *advanced, const gefen_tables *t, int portable) {
+#if GEFEN_AVX512
+    if (!portable)
+        return advance_simd(grad, dtype, first, period, codes, old_scale, t, weight, advanced);
+#endif
+    (void)portable;
+    (void)t;
+    return advance(grad, dtype, first, period, codes, old_scale, cb, weight, advanced);
+}
+
 /* The absolute maximum of a whole block's advanced momentum, ``sub`` elements at a time; when
  * the block fits one pass (period <= sub) ``buffer`` keeps its advanced values. */
 static float block_maximum(const void *grad, int dtype, int64_t first, int64_t period,
                            int64_t sub, const uint8_t *codes, float old_scale, const float *cb,
-                           float weight, float *buffer) {
+                           float weight, float *buffer, const gefen_tables *t, int portable) {
     float maximum = 0.0f;
     for (int64_t o = 0; o < period; o += sub) {
         int64_t len = period - o < sub ? period - o : sub;
-        float part = advance(grad, dtype, first + o, len, codes + o, old_scale, cb, weight, buffer);
+        float part = advance_any(grad, dtype, first + o, len, codes + o, old_scale, cb, weight,
+                                 buffer, t, portable);
         maximum = nan_max(maximum, part);
     }
     return maximum;
@@ -146,33 +203,32 @@ static float block_maximum(const void *grad, int dtype, int64_t first, int64_t p
 /* Pass 2: the §6.3 index of every element, in vectorisable sweeps over the block; on return
  * ``advanced`` holds each element's chosen codeword (the apply pass scales it). */
 static void encode_block(float *restrict advanced, float maximum, int64_t period,
-                         const float *restrict cb, const int32_t *restrict table, int window,
-                         const gefen_scalars *s, int64_t first, scratch *w,
-                         uint8_t *restrict codes) {
+                         const float *restrict cb, const gefen_tables *t, const gefen_scalars *s,
+                         int64_t first, scratch *w, uint8_t *restrict codes) {
     float *restrict x = w->normalised;
     int32_t *restrict count = w->count;
+    int nearest = !s->stochastic;
+    const int32_t *restrict table = nearest ? t->threshold_count : t->count;
+    const float *restrict probes = nearest ? t->threshold : cb;
+    int window = nearest ? t->threshold_window : t->window;
     for (int64_t j = 0; j < period; ++j) {
         float value = maximum > 0.0f ? advanced[j] / maximum : 0.0f;
         value = value == value ? value : 0.0f;
         x[j] = value;
         count[j] = table[bucket(value)];
     }
+    /* nearest: count = #{T < x} (T_255 = +inf ends every scan); stochastic: #{cb < x}. */
     for (int step = 0; step < window; ++step) {
         for (int64_t j = 0; j < period; ++j) {
             int32_t c = count[j];
             int32_t probe = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
-            count[j] = c + ((c < CODEBOOK_SIZE) & (cb[probe] < x[j]));
+            count[j] = c + ((c < CODEBOOK_SIZE) & (probes[probe] < x[j]));
         }
     }
-    if (!s->stochastic) {
+    if (nearest) {
         for (int64_t j = 0; j < period; ++j) {
-            int32_t c = count[j];
-            int32_t lower = c > 0 ? c - 1 : 0;
-            int32_t upper = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
-            float low = cb[lower], high = cb[upper];
-            int take_low = fabsf(x[j] - low) <= fabsf(x[j] - high);
-            codes[j] = (uint8_t)(take_low ? lower : upper);
-            advanced[j] = take_low ? low : high; /* the chosen codeword, for the apply pass */
+            codes[j] = (uint8_t)count[j];
+            advanced[j] = cb[count[j]]; /* the chosen codeword, for the apply pass */
         }
         return;
     }
@@ -236,7 +292,7 @@ static void apply_block(void *restrict param, int dtype, int64_t first, int64_t 
 
 /* The block's mean of g² (float partial sums in a fixed lane order: vectorisable and
  * deterministic, as accurate as torch's own float reduction). */
-static float mean_square(const void *grad, int dtype, int64_t first, int64_t period) {
+static float mean_square_portable(const void *grad, int dtype, int64_t first, int64_t period) {
     enum { LANES = 16 };
     float partial[LANES] = {0};
     int64_t j = 0;
@@ -254,12 +310,27 @@ static float mean_square(const void *grad, int dtype, int64_t first, int64_t per
     return total / (float)period;
 }
 
+/* mean_square() on the fastest path the build has; ``column_sums`` as in mean_square_simd. */
+static float mean_square(const void *grad, int dtype, int64_t first, int64_t period,
+                         float *column_sums, int portable) {
+#if GEFEN_AVX512
+    if (!portable) return mean_square_simd(grad, dtype, first, period, column_sums);
+#endif
+    (void)portable;
+    if (column_sums)
+        for (int64_t c = 0; c < period; ++c) {
+            float value = load(grad, dtype, first + c);
+            column_sums[c] += value * value;
+        }
+    return mean_square_portable(grad, dtype, first, period);
+}
+
 static void update_blocks(void *param, const void *grad, int dtype, uint8_t *codes, float *scale,
                           float *v_block, const float *v_row, const float *v_col, int64_t cols,
                           float norm, int64_t blocks, int64_t period, const float *cb,
-                          const int32_t *table, int window, const gefen_scalars *s, int *failed) {
+                          const gefen_tables *t, const gefen_scalars *s, int *failed) {
     int64_t sub = period < SCRATCH ? period : SCRATCH;
-#pragma omp parallel num_threads(s->threads)
+#pragma omp parallel num_threads(s->threads) if (s->threads > 1 && blocks > 1)
     {
         scratch w;
         if (!scratch_init(&w, sub)) {
@@ -270,7 +341,7 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                 int64_t first = b * period;
                 float block_s = 0.0f;
                 if (v_block) {
-                    float mean = mean_square(grad, dtype, first, period);
+                    float mean = mean_square(grad, dtype, first, period, NULL, s->portable);
                     float fresh = v_block[b] * s->beta2 + mean * s->one_minus_beta2;
                     v_block[b] = fresh;
                     block_s = step_size(fresh, s);
@@ -279,20 +350,29 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                  * so every pass stays in L1 whatever the period. */
                 float old_scale = scale[b];
                 float maximum = block_maximum(grad, dtype, first, period, sub, codes + first,
-                                              old_scale, cb, s->one_minus_beta1, w.advanced);
+                                              old_scale, cb, s->one_minus_beta1, w.advanced,
+                                              t, s->portable);
                 scale[b] = maximum;
                 for (int64_t o = 0; o < period; o += sub) {
                     int64_t len = period - o < sub ? period - o : sub;
                     if (period > sub)
-                        advance(grad, dtype, first + o, len, codes + first + o, old_scale, cb,
-                                s->one_minus_beta1, w.advanced);
+                        advance_any(grad, dtype, first + o, len, codes + first + o, old_scale,
+                                    cb, s->one_minus_beta1, w.advanced, t, s->portable);
+                    const float *factor = v_block ? NULL : w.factor;
                     if (!v_block)
                         factored_factors(first + o, len, v_row, v_col, cols, norm, s, w.factor);
-                    encode_block(w.advanced, maximum, len, cb, table, window, s, first + o, &w,
+#if GEFEN_AVX512
+                    if (!s->stochastic && !s->portable && t->coarse_window <= SIMD_MAX_WINDOW) {
+                        commit_nearest_simd(w.advanced, maximum, len, t, codes + first + o,
+                                            param, dtype, first + o, factor, block_s, s);
+                        continue;
+                    }
+#endif
+                    encode_block(w.advanced, maximum, len, cb, t, s, first + o, &w,
                                  codes + first + o);
                     if (s->write)
-                        apply_block(param, dtype, first + o, len, w.advanced, maximum,
-                                    v_block ? NULL : w.factor, block_s, s);
+                        apply_block(param, dtype, first + o, len, w.advanced, maximum, factor,
+                                    block_s, s);
                 }
             }
         }
@@ -308,20 +388,11 @@ static float factored_moments(const void *grad, int dtype, float *restrict v_row
     /* Column sums accumulate row after row and row sums in fixed lanes, both in float as
      * torch's own reductions do; the normaliser's mean is taken in double. */
     float *column_sums = (float *)calloc((size_t)cols, sizeof(float));
+    if (!column_sums) return -1.0f;
     double row_total = 0.0;
     for (int64_t r = 0; r < rows; ++r) {
         int64_t first = r * cols;
-        if (dtype == DTYPE_F32) {
-            const float *restrict g = (const float *)grad + first;
-            for (int64_t c = 0; c < cols; ++c) column_sums[c] += g[c] * g[c];
-        } else {
-            const uint16_t *restrict g = (const uint16_t *)grad + first;
-            for (int64_t c = 0; c < cols; ++c) {
-                float value = bf16_to_f32(g[c]);
-                column_sums[c] += value * value;
-            }
-        }
-        float mean = mean_square(grad, dtype, first, cols);
+        float mean = mean_square(grad, dtype, first, cols, column_sums, s->portable);
         v_row[r] = v_row[r] * s->beta2 + mean * s->one_minus_beta2;
         row_total += (double)v_row[r];
     }
@@ -338,7 +409,7 @@ static float factored_moments(const void *grad, int dtype, float *restrict v_row
 int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t *codes,
                            float *scale, float *v_block, float *v_row, float *v_col,
                            int64_t rows, int64_t cols, int64_t blocks, int64_t period,
-                           const float *codebook, const int32_t *table, int32_t window,
+                           const float *codebook, const gefen_tables *tables,
                            const gefen_scalars *s) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     float norm = 1.0f;
@@ -346,6 +417,7 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
     float *row_roots = NULL, *column_roots = NULL;
     if (!v_block) {
         norm = factored_moments(grad, dtype, v_row, v_col, rows, cols, s);
+        if (norm < 0.0f) return 2;
         row_roots = (float *)malloc(sizeof(float) * (size_t)rows);
         column_roots = (float *)malloc(sizeof(float) * (size_t)cols);
         if (!row_roots || !column_roots) {
@@ -357,7 +429,7 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
         for (int64_t c = 0; c < cols; ++c) column_roots[c] = sqrtf(v_col[c]) / s->sqrt_bc2;
     }
     update_blocks(param, grad, dtype, codes, scale, v_block, row_roots, column_roots, cols, norm,
-                  blocks, period, codebook, table, window, s, &failed);
+                  blocks, period, codebook, tables, s, &failed);
     free(row_roots);
     free(column_roots);
     return failed ? 2 : 0;
@@ -368,11 +440,11 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
  * ``s`` supplies ``one_minus_beta1`` (the weight), ``stochastic``, ``stream`` and ``threads``. */
 int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, float *scale,
                              float *out, int64_t blocks, int64_t period, const float *codebook,
-                             const int32_t *table, int32_t window, const gefen_scalars *s) {
+                             const gefen_tables *tables, const gefen_scalars *s) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     int failed = 0;
     int64_t sub = period < SCRATCH ? period : SCRATCH;
-#pragma omp parallel num_threads(s->threads)
+#pragma omp parallel num_threads(s->threads) if (s->threads > 1 && blocks > 1)
     {
         scratch w;
         if (!scratch_init(&w, sub)) {
@@ -383,15 +455,25 @@ int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, fl
                 int64_t first = b * period;
                 float old_scale = scale[b];
                 float maximum = block_maximum(grad, dtype, first, period, sub, codes + first,
-                                              old_scale, codebook, s->one_minus_beta1, w.advanced);
+                                              old_scale, codebook, s->one_minus_beta1, w.advanced,
+                                              tables, s->portable);
                 scale[b] = maximum;
                 for (int64_t o = 0; o < period; o += sub) {
                     int64_t len = period - o < sub ? period - o : sub;
                     if (period > sub)
-                        advance(grad, dtype, first + o, len, codes + first + o, old_scale,
-                                codebook, s->one_minus_beta1, w.advanced);
-                    encode_block(w.advanced, maximum, len, codebook, table, window, s, first + o,
-                                 &w, codes + first + o);
+                        advance_any(grad, dtype, first + o, len, codes + first + o, old_scale,
+                                    codebook, s->one_minus_beta1, w.advanced, tables,
+                                    s->portable);
+#if GEFEN_AVX512
+                    if (!s->stochastic && !s->portable &&
+                        tables->coarse_window <= SIMD_MAX_WINDOW) {
+                        momentum_nearest_simd(w.advanced, maximum, len, tables,
+                                              codes + first + o, out + first + o);
+                        continue;
+                    }
+#endif
+                    encode_block(w.advanced, maximum, len, codebook, tables, s, first + o, &w,
+                                 codes + first + o);
                     float *restrict target = out + first + o;
                     for (int64_t j = 0; j < len; ++j) target[j] = w.advanced[j] * maximum;
                 }
@@ -401,3 +483,9 @@ int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, fl
     }
     return failed ? 2 : 0;
 }
+
+#include "gefen_tables.h"
+#include "gefen_finite.h"
+
+/* 1 when this build has the AVX-512 passes (``portable`` then selects the fallback), else 0. */
+int32_t gefen_simd_available(void) { return GEFEN_AVX512; }

@@ -1,0 +1,192 @@
+"""The native CPU kernel's own paths (gefen.core.native): the AVX-512 passes against the
+portable loops bit for bit, the nearest-rounding thresholds against ``nearest_index``, and the
+native finiteness check of §7.2."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from gefen.core.fused import StepScalars
+from gefen.core.kernels import nearest_index
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(name) for name in ("cc", "gcc", "clang")), reason="needs a C compiler"
+)
+
+
+def _learned_like_codebook() -> torch.Tensor:
+    # Dense near 0, sparse near ±1, like a learned codebook (and exactly ±1 at the ends).
+    u = torch.linspace(-1.0, 1.0, 256, dtype=torch.float64)
+    return (u.sign() * u.abs() ** 1.6).to(torch.float32)
+
+
+def _clustered_codebook() -> torch.Tensor:
+    # 200 codewords inside [-0.01, 0.01]: the coarse table's window exceeds the SIMD limit, so
+    # the portable loops take over inside the same call.
+    inner = torch.linspace(-0.01, 0.01, 200)
+    outer = torch.cat([torch.linspace(-1.0, -0.02, 28), torch.linspace(0.02, 1.0, 28)])
+    return torch.sort(torch.cat([inner, outer])).values
+
+
+CODEBOOKS = {
+    "learned": _learned_like_codebook,
+    "uniform": lambda: torch.linspace(-1.0, 1.0, 256),
+    "clustered": _clustered_codebook,
+}
+
+
+def _entry(shape: tuple[int, ...], period: int, factored: bool) -> dict[str, Any]:
+    numel = torch.Size(shape).numel()
+    generator = torch.Generator().manual_seed(3)
+    entry: dict[str, Any] = {
+        "period": period,
+        "step": 0,
+        "v_step": 0,
+        "momentum_codes": torch.randint(
+            0, 256, (numel // period, period), dtype=torch.uint8, generator=generator
+        ),
+        "momentum_scale": torch.rand(numel // period, 1, generator=generator),
+    }
+    if factored:
+        entry["v_row"], entry["v_col"] = torch.zeros(shape[0]), torch.zeros(shape[1])
+    else:
+        entry["v_block"] = torch.zeros(numel // period, 1)
+    return entry
+
+
+def _simd_or_skip() -> None:
+    from gefen.core.native import simd_available
+
+    if not simd_available():
+        pytest.skip("this build of the native kernel has no SIMD passes to compare")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "period", "factored"),
+    [
+        ((37, 24), 24, True),  # rows of 24: tails in every 64-lane chunk
+        ((8, 1000), 4000, True),  # blocks spanning rows, longer than one 64-chunk
+        ((3, 5000), 15000, False),  # a block longer than the kernel's scratch
+        ((777,), 7, False),
+        ((130,), 65, False),
+        ((4096,), 64, False),
+        ((3,), 1, False),
+    ],
+)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("codebook_name", ["learned", "clustered"])
+def test_the_simd_passes_match_the_portable_loops_bit_for_bit(
+    dtype, shape, period, factored, stochastic, codebook_name
+) -> None:
+    from gefen.core.native import NativeUpdater
+
+    _simd_or_skip()
+    simd, portable = NativeUpdater(), NativeUpdater(portable=True)
+    generator = torch.Generator().manual_seed(7)
+    param = (torch.randn(shape, generator=generator) * 3).to(dtype)
+    twin = param.clone()
+    entry = _entry(shape, period, factored)
+    twin_entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+    codebook = CODEBOOKS[codebook_name]()
+    for step in range(4):
+        grad = (torch.randn(shape, generator=generator) * 10.0 ** (step - 2)).to(dtype)
+        lr = 0.0 if step == 2 else 1e-2  # lr = 0: state advances, the parameter stays
+        scalars = StepScalars(
+            lr, (0.9, 0.999), 1e-8, 0.1, codebook, (step, 3) if stochastic else None
+        )
+        simd(param, grad, entry, scalars)
+        portable(twin, grad, twin_entry, scalars)
+        assert torch.equal(param, twin)
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, twin_entry[key]), key
+
+
+@pytest.mark.parametrize("codebook_name", sorted(CODEBOOKS))
+@pytest.mark.parametrize("portable", [False, True])
+def test_the_thresholds_round_exactly_like_nearest_index(codebook_name, portable) -> None:
+    # weight 1 makes the advanced momentum the gradient itself; a 1.0 in every block makes the
+    # block scale 1, so the kernel encodes exactly these values.
+    from gefen.core.native import NativeMomentum
+
+    if not portable:
+        _simd_or_skip()
+    codebook = CODEBOOKS[codebook_name]()
+    below, above = codebook[:-1], codebook[1:]
+    halfway = (below + above) / 2
+    probes = torch.cat(
+        [
+            codebook,
+            halfway,
+            torch.nextafter(halfway, torch.full_like(halfway, -2.0)),
+            torch.nextafter(halfway, torch.full_like(halfway, 2.0)),
+            torch.nextafter(codebook, torch.full_like(codebook, 2.0)),
+            torch.nextafter(codebook, torch.full_like(codebook, -2.0)),
+            torch.rand(5000, generator=torch.Generator().manual_seed(1)) * 2 - 1,
+            torch.tensor([0.0, -0.0, 1.0, -1.0]),
+        ]
+    ).clamp(-1.0, 1.0)
+    period = 127
+    blocks = -(-probes.numel() // (period - 1))
+    padded = torch.zeros(blocks * (period - 1))
+    padded[: probes.numel()] = probes
+    values = torch.cat([torch.ones(blocks, 1), padded.reshape(blocks, period - 1)], dim=1)
+    codes = torch.zeros(blocks, period, dtype=torch.uint8)
+    scale = torch.zeros(blocks, 1)
+    NativeMomentum(portable=portable)(values, codes, scale, codebook, 1.0, None)
+    assert torch.equal(scale, torch.ones(blocks, 1))
+    assert torch.equal(codes, nearest_index(codebook, values))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 40, 99])
+def test_the_native_finiteness_check_finds_the_first_bad_tensor(dtype, bad, where) -> None:
+    from gefen.core.native import build_library, first_nonfinite
+
+    build_library()
+    tensors = [torch.randn(100).to(dtype) * 1e3 for _ in range(3)]
+    tensors.append(torch.full((5,), torch.finfo(dtype).max, dtype=dtype))  # finite extremes
+    assert first_nonfinite(tensors) == -1
+    tensors[1][where] = bad
+    tensors[2][0] = bad
+    assert first_nonfinite(tensors) == 1
+
+
+def test_the_native_finiteness_check_declines_what_it_cannot_read(monkeypatch) -> None:
+    import gefen.core.native as native
+
+    native.build_library()
+    assert native.first_nonfinite([torch.randn(4, 4).t()]) is None  # not contiguous
+    assert native.first_nonfinite([torch.ones(3, dtype=torch.int32)]) is None
+    monkeypatch.setattr(native, "_LIBRARY", None)  # never loaded: the torch path decides
+    assert native.first_nonfinite([torch.randn(3)]) is None
+
+
+def test_a_non_finite_gradient_is_rejected_by_name_through_the_native_check() -> None:
+    from gefen.core import Gefen
+    from gefen.core.native import build_library
+    from gefen.core.validation import NonFiniteGradientError
+
+    build_library()
+    params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(100))]
+    optimizer = Gefen(params, lr=1e-2)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    before = [param.detach().clone() for param in params]
+    state = {k: v.clone() for k, v in optimizer.state[params[1]].items() if torch.is_tensor(v)}
+    params[1].grad[99] = float("nan")  # the tail of the second gradient
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\[1\]"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    for key, value in state.items():
+        assert torch.equal(value, optimizer.state[params[1]][key]), key
+    params[1].grad = torch.randn_like(params[1])
+    optimizer.step()  # still trains
+    assert not torch.equal(before[1], params[1])
