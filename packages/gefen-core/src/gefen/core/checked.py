@@ -50,13 +50,13 @@ def entry_signature(
     shapes. The objects themselves ride along (last item) so no id can be reused meanwhile;
     comparison uses the identities only."""
     local = local_tensor(param)
-    tensors = [value for value in entry.values() if isinstance(value, Tensor)]
-    values = tuple(
-        (key, id(value), tuple(value.shape), value.dtype)
-        if isinstance(value, Tensor)
-        else (key, value)
-        for key, value in entry.items()
-        if key not in ("step", "v_step")
-    )
-    identity = (id(param), id(group), id(entry), id(local), tuple(local.shape), param.dim())
-    return (identity, values, _Held((param, group, entry, local, *tensors)))
+    values: list[tuple[Any, ...]] = []
+    held: list[Any] = [param, group, entry, local]
+    for key, value in entry.items():  # one pass: this runs for every parameter every step
+        if isinstance(value, Tensor):
+            held.append(value)
+            values.append((key, id(value), value.shape, value.dtype))  # Size compares as tuple
+        elif key != "step" and key != "v_step":
+            values.append((key, value))
+    identity = (id(param), id(group), id(entry), id(local), local.shape, param.dim())
+    return (identity, tuple(values), _Held(tuple(held)))

@@ -55,6 +55,7 @@ class _PlannedUpdate:
     position: tuple[int, int]  # (group index, index in the group): the label, when needed
     period: int
     scalars: StepScalars
+    updater: Updater | None  # the kernel phase 1 selected (None: the eager reference)
 
 
 class Gefen(OptimizerShell):
@@ -190,23 +191,30 @@ class Gefen(OptimizerShell):
         stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
         index = -1
         for group_index, group in enumerate(self.param_groups):
-            # Read lazily so a group with nothing to update never syncs on its tensor lr.
-            lr: float | None = None
+            # Read lazily so a group with nothing to update never syncs on its tensor lr; the
+            # group's scalars are shared by its parameters unless each needs its own seed.
+            shared: StepScalars | None = None
             for position, param in enumerate(group["params"]):
                 index += 1
                 if param.grad is None or local_tensor(param).numel() == 0:
                     continue
-                if lr is None:
-                    lr = _lr_value(group["lr"])
-                scalars = StepScalars(
-                    lr=lr,
-                    betas=(float(group["betas"][0]), float(group["betas"][1])),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    seed=(self._global_step, index) if stochastic else None,
-                )
+                if shared is None:
+                    shared = StepScalars(
+                        lr=_lr_value(group["lr"]),
+                        betas=(float(group["betas"][0]), float(group["betas"][1])),
+                        eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]),
+                    )
+                scalars = shared
+                if stochastic:
+                    scalars = StepScalars(
+                        shared.lr, shared.betas, shared.eps, shared.weight_decay,
+                        seed=(self._global_step, index),
+                    )  # fmt: skip
                 period = learning.periods.get(index, self.state[param]["period"])
-                plan.append(_PlannedUpdate(param, group, (group_index, position), period, scalars))
+                updater = self._kernel(group, param)
+                position_of = (group_index, position)
+                plan.append(_PlannedUpdate(param, group, position_of, period, scalars, updater))
         return plan
 
     def _live_entry(self, planned: _PlannedUpdate) -> dict[str, Any]:
@@ -244,6 +252,8 @@ class Gefen(OptimizerShell):
     def _commit_step(self, plan: Any) -> None:
         """Phase 5: one parameter at a time, its state and value updated in their own storage."""
         codebooks: dict[torch.device, Tensor] = {}
+        # The scalars with the codebook on the parameter's device, once per (scalars, device).
+        with_codebook: dict[tuple[int, torch.device], StepScalars] = {}
         for planned in plan:
             entry = self._live_entry(planned)
             local = local_tensor(planned.param)
@@ -251,15 +261,17 @@ class Gefen(OptimizerShell):
             if self._codebook8:
                 assert self._codebook is not None
                 device = local.device
-                if device not in codebooks:
-                    codebooks[device] = self._codebook.to(device)
-                scalars = StepScalars(
-                    scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                    codebooks[device], scalars.seed,
-                )  # fmt: skip
+                key = (id(scalars), device)
+                if key not in with_codebook:
+                    if device not in codebooks:
+                        codebooks[device] = self._codebook.to(device)
+                    with_codebook[key] = StepScalars(
+                        scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
+                        codebooks[device], scalars.seed,
+                    )  # fmt: skip
+                scalars = with_codebook[key]
             grad = local_tensor(planned.param.grad)
-            updater = self._kernel(planned.group, planned.param) or eager_update_
-            updater(local, grad, entry, scalars)
+            (planned.updater or eager_update_)(local, grad, entry, scalars)
 
     # -- contract (§10) ---------------------------------------------------------------------
 

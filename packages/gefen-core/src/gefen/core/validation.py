@@ -47,12 +47,20 @@ def iter_parameters(
             yield parameter_label(group, group_index, position), param
 
 
+# The step asks these questions several times per parameter: answer the plain types at once.
+_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+
+
 def is_dtensor(tensor: object) -> bool:
+    if type(tensor) in _PLAIN_TYPES:
+        return False
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor, the tensor itself otherwise."""
+    if type(tensor) in _PLAIN_TYPES:
+        return tensor
     return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
@@ -135,22 +143,26 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
     (its minimum and maximum: NaN propagates through both and ±Inf is an extremum, so no
     per-element temporary is allocated) and one host synchronisation per device for the step.
     """
-    labelled = [
-        (label, local_tensor(param.grad))
-        for label, param in iter_parameters(param_groups)
+    # Labels are built only for a failure: formatting one per parameter costs a step real time.
+    located = [
+        (group, group_index, position, local_tensor(param.grad))
+        for group_index, group in enumerate(param_groups)
+        for position, param in enumerate(group["params"])
         if param.grad is not None and local_tensor(param.grad).numel() > 0
     ]
-    if not labelled:
+    if not located:
         return
     from gefen.core.native import first_nonfinite  # CPU: one native pass, no reduction launches
 
-    first = first_nonfinite([grad for _, grad in labelled])
+    first = first_nonfinite([grad for *_, grad in located])
     if first is not None:
         if first >= 0:
+            label = parameter_label(*located[first][:3])
             raise NonFiniteGradientError(
-                f"parameter {labelled[first][0]} has a non-finite gradient (NaN or Inf)"
+                f"parameter {label} has a non-finite gradient (NaN or Inf)"
             )
         return
+    labelled = [(parameter_label(group, g, i), grad) for group, g, i, grad in located]
     by_device: dict[torch.device, list[int]] = {}
     for position, (_, grad) in enumerate(labelled):
         by_device.setdefault(grad.device, []).append(position)

@@ -3,10 +3,10 @@
 Inductor's CPU code performs every indirect load lane by lane and decodes each block twice, so
 the compiled Python source cannot reach fused AdamW's speed on a CPU. This small C kernel does
 one block at a time in an L1-resident buffer; on AVX-512 CPUs with VBMI its table lookups are
-byte permutations in registers instead of gathers (``gefen_avx512.h``). It is compiled with the C compiler inductor needs
-anyway (``cc``/``gcc``, ``-O3 -march=native``, OpenMP when available) into a per-user cache and
-called through ``ctypes`` with raw pointers, so it needs no Python or torch headers and builds
-in about a second. It covers codebook8 momentum on fp32 and bf16 parameters, both families,
+byte permutations in registers instead of gathers (``gefen_avx512.h``). It is compiled with
+the C compiler inductor needs anyway (``cc``/``gcc``, ``-O3 -march=native``, OpenMP when
+available) into a per-user cache and called through ``ctypes`` with raw pointers, so it needs
+no Python or torch headers and builds in about a second. It covers codebook8 momentum on fp32 and bf16 parameters, both families,
 nearest and stochastic rounding; everything else takes the inductor implementation. The same
 library holds the CPU finiteness check of §7.2 (``first_nonfinite``).
 """
@@ -214,6 +214,26 @@ class NativeUpdater:
         self._function = library.gefen_update_codebook8
         self._tables = EncodeTables(library)
         self._portable = int(portable)
+        # The packed scalars of the last call: a group's parameters share their StepScalars
+        # object and usually their step counts, so most calls of a step reuse them.
+        self._packed: tuple[Any, int, int, int, _Scalars] | None = None
+
+    def _scalars(self, scalars: Any, t: int, tau: int) -> _Scalars:
+        threads = torch.get_num_threads()
+        last = self._packed
+        if last is not None and last[0] is scalars and last[1:4] == (t, tau, threads):
+            return last[4]
+        packed = _Scalars(
+            *hyper_values(scalars, t, tau)[: reference.HP_SIZE],
+            int(scalars.lr * scalars.weight_decay != 0),
+            int(scalars.lr != 0),
+            int(scalars.seed is not None),
+            threads,
+            self._portable,
+            stream_value(scalars.seed),
+        )
+        self._packed = (scalars, t, tau, threads, packed)
+        return packed
 
     def __call__(self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: Any) -> None:
         period = int(entry["period"])
@@ -221,15 +241,7 @@ class NativeUpdater:
         work = param if param.is_contiguous() else param.contiguous()
         gradient = grad if grad.is_contiguous() else grad.contiguous()
         codebook = scalars.codebook.contiguous()
-        packed = _Scalars(
-            *hyper_values(scalars, t, tau)[: reference.HP_SIZE],
-            int(scalars.lr * scalars.weight_decay != 0),
-            int(scalars.lr != 0),
-            int(scalars.seed is not None),
-            torch.get_num_threads(),
-            self._portable,
-            stream_value(scalars.seed),
-        )
+        packed = self._scalars(scalars, t, tau)
         v_row = entry.get("v_row")
         rows, cols = (int(param.shape[0]), int(param.shape[1])) if v_row is not None else (0, 0)
         status = self._function(
