@@ -28,6 +28,7 @@ from gefen.core.finalization import (
     prepare_finalization,
 )
 from gefen.core.fused import KernelSelector
+from gefen.core.groups import check_membership, normalised_group
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide
@@ -40,7 +41,7 @@ from gefen.core.transaction import (
     run_step,
 )
 from gefen.core.validation import (
-    SUPPORTED_DTYPES,
+    amp_scaling_supported,
     check_finite_gradients,
     local_tensor,
     parameter_label,
@@ -64,37 +65,7 @@ from gefen.dist.codebook_scope import (
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 
-_DUPLICATE = "some parameters appear in more than one parameter group"
 _LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
-
-
-def amp_scaling_supported(
-    param_groups: Iterable[Mapping[str, Any]], scope: tuple[Any, ...]
-) -> bool:
-    """True iff some gradient is fp16 or the failure scope is non-empty (§7.3); pure."""
-    if len(scope) > 0:
-        return True
-    return any(
-        param.grad is not None and param.grad.dtype == torch.float16
-        for group in param_groups
-        for param in group["params"]
-    )
-
-
-def _check_param_tensor(param: object) -> Tensor:
-    if not isinstance(param, Tensor):
-        raise TypeError(
-            f"optimizer can only optimize Tensors, but one of the params is {type(param)}"
-        )
-    if not param.is_leaf:
-        raise ValueError("can't optimize a non-leaf Tensor")
-    if param.is_complex():
-        raise ValueError(f"complex parameters are not supported (got {param.dtype})")
-    if param.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"parameters must be float16, bfloat16, float32 or float64, got {param.dtype}"
-        )
-    return param
 
 
 class OptimizerShell(HookedStepState, Optimizer):
@@ -230,49 +201,6 @@ class OptimizerShell(HookedStepState, Optimizer):
         flat = ((group, param) for group in self.param_groups for param in group["params"])
         return [(index, group, param) for index, (group, param) in enumerate(flat)]
 
-    def _normalised_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
-        params = param_group["params"]
-        if isinstance(params, Tensor):
-            listed: list[Any] = [params]
-        elif isinstance(params, set):
-            raise TypeError(
-                "optimizer parameters need to be organized in ordered collections, but the "
-                "ordering of tensors in sets will change between runs. Please use a list instead."
-            )
-        else:
-            listed = list(params)
-        names = [item[0] for item in listed if isinstance(item, tuple)]
-        tensors = [item[1] if isinstance(item, tuple) else item for item in listed]
-        candidate = dict(param_group)
-        candidate["params"] = [_check_param_tensor(param) for param in tensors]
-        if names:
-            if len(names) != len(tensors):
-                raise ValueError(
-                    "all optimizer params should be with/without names. "
-                    "Some param names are missing"
-                )
-            candidate["param_names"] = names
-        for name, default in self.defaults.items():
-            candidate.setdefault(name, default)
-        if isinstance(candidate.get("betas"), list):
-            candidate["betas"] = tuple(candidate["betas"])
-        return candidate
-
-    def _check_membership(self, candidate: Mapping[str, Any]) -> None:
-        params = candidate["params"]
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError(_DUPLICATE)
-        registered = {id(p) for group in self.param_groups for p in group["params"]}
-        if any(id(p) in registered for p in params):
-            raise ValueError(_DUPLICATE)
-        for group in self.param_groups:
-            if ("param_names" in group) != ("param_names" in candidate):
-                kind = "with names" if "param_names" in candidate else "without names"
-                raise ValueError(
-                    "all optimizer param groups should be with/without names. "
-                    f"cannot add param group {kind} to the optimizer"
-                )
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """All-or-nothing: the whole group is validated before anything is registered."""
         if not isinstance(param_group, dict):
@@ -282,8 +210,8 @@ class OptimizerShell(HookedStepState, Optimizer):
                 f"{self.OWNER_NAME} is finalized by post_sharding: add_param_group is refused"
             )
         check_optimizer_wide(param_group, self.defaults, self.OPTIMIZER_WIDE)
-        candidate = self._normalised_group(param_group)
-        self._check_membership(candidate)
+        candidate = normalised_group(param_group, self.defaults)
+        check_membership(candidate, self.param_groups)
         self._validate_registration(candidate)
         self._validate_group(candidate)
         # Publish: the caller's dict itself becomes the group, as in torch.

@@ -16,6 +16,7 @@ from torch import Tensor
 __all__ = [
     "SUPPORTED_DTYPES",
     "NonFiniteGradientError",
+    "amp_scaling_supported",
     "check_finite_gradients",
     "iter_parameters",
     "parameter_label",
@@ -178,3 +179,17 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
             raise NonFiniteGradientError(
                 f"parameter {label} has a non-finite gradient (NaN or Inf)"
             )
+
+
+def amp_scaling_supported(
+    param_groups: Iterable[Mapping[str, Any]], scope: tuple[Any, ...]
+) -> bool:
+    """True iff some gradient is fp16 or the failure scope is non-empty (10-core.md §7.3): whether
+    a GradScaler may drive the step; pure."""
+    if len(scope) > 0:
+        return True
+    return any(
+        param.grad is not None and param.grad.dtype == torch.float16
+        for group in param_groups
+        for param in group["params"]
+    )

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from gefen.contracts import OptimizerContract, ShardingManifest
 from gefen.core import Gefen, ParameterRebinding
-from gefen.core.shell import OptimizerShell, amp_scaling_supported
+from gefen.core.shell import OptimizerShell
 from gefen.core.transaction import (
     HOOK_DICTS,
     STEP_SIGNATURE,
@@ -26,7 +26,12 @@ from gefen.core.transaction import (
     run_load,
     run_step,
 )
-from gefen.core.validation import check_finite_gradients, local_tensor, validate_gradient_structure
+from gefen.core.validation import (
+    amp_scaling_supported,
+    check_finite_gradients,
+    local_tensor,
+    validate_gradient_structure,
+)
 from gefen.dist import (
     Channel,
     CodebookProcessGroupBinding,

@@ -6,9 +6,10 @@ one block at a time in an L1-resident buffer; on AVX-512 CPUs with VBMI its tabl
 byte permutations in registers instead of gathers (``gefen_avx512.h``). It is compiled with
 the C compiler inductor needs anyway (``cc``/``gcc``, ``-O3 -march=native``, OpenMP when
 available) into a per-user cache and called through ``ctypes`` with raw pointers, so it needs
-no Python or torch headers and builds in about a second. It covers codebook8 momentum on fp32 and bf16 parameters, both families,
-nearest and stochastic rounding; everything else takes the inductor implementation. The same
-library holds the CPU finiteness check of §7.2 (``first_nonfinite``).
+no Python or torch headers and builds in about a second. It covers codebook8 momentum on fp32
+and bf16 parameters, both families, nearest and stochastic rounding; everything else takes the
+inductor implementation. The same library holds the CPU finiteness check of §7.2
+(``first_nonfinite``).
 """
 
 from __future__ import annotations

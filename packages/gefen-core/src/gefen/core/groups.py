@@ -1,0 +1,81 @@
+"""Registering a parameter group as torch does (``add_param_group``'s rules, torch's messages):
+normalising the group and checking its membership, before the shell publishes anything."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from gefen.core.validation import SUPPORTED_DTYPES
+
+__all__ = ["check_membership", "check_param_tensor", "normalised_group"]
+
+_DUPLICATE = "some parameters appear in more than one parameter group"
+
+
+def check_param_tensor(param: object) -> Tensor:
+    """``param`` itself if torch would register it (a leaf real floating tensor of a supported
+    dtype); TypeError/ValueError otherwise."""
+    if not isinstance(param, Tensor):
+        raise TypeError(
+            f"optimizer can only optimize Tensors, but one of the params is {type(param)}"
+        )
+    if not param.is_leaf:
+        raise ValueError("can't optimize a non-leaf Tensor")
+    if param.is_complex():
+        raise ValueError(f"complex parameters are not supported (got {param.dtype})")
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"parameters must be float16, bfloat16, float32 or float64, got {param.dtype}"
+        )
+    return param
+
+
+def normalised_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``param_group`` as torch registers it: params listed (names split off), each
+    a leaf floating tensor, defaults filled in, betas a tuple; raises as torch does."""
+    params = param_group["params"]
+    if isinstance(params, Tensor):
+        listed: list[Any] = [params]
+    elif isinstance(params, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the "
+            "ordering of tensors in sets will change between runs. Please use a list instead."
+        )
+    else:
+        listed = list(params)
+    names = [item[0] for item in listed if isinstance(item, tuple)]
+    tensors = [item[1] if isinstance(item, tuple) else item for item in listed]
+    candidate = dict(param_group)
+    candidate["params"] = [check_param_tensor(param) for param in tensors]
+    if names:
+        if len(names) != len(tensors):
+            raise ValueError(
+                "all optimizer params should be with/without names. Some param names are missing"
+            )
+        candidate["param_names"] = names
+    for name, default in defaults.items():
+        candidate.setdefault(name, default)
+    if isinstance(candidate.get("betas"), list):
+        candidate["betas"] = tuple(candidate["betas"])
+    return candidate
+
+
+def check_membership(candidate: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """A new group shares no parameter with itself or the registered groups, and is named iff
+    they are (torch's rules and messages)."""
+    params = candidate["params"]
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(_DUPLICATE)
+    registered = {id(p) for group in param_groups for p in group["params"]}
+    if any(id(p) in registered for p in params):
+        raise ValueError(_DUPLICATE)
+    for group in param_groups:
+        if ("param_names" in group) != ("param_names" in candidate):
+            kind = "with names" if "param_names" in candidate else "without names"
+            raise ValueError(
+                "all optimizer param groups should be with/without names. "
+                f"cannot add param group {kind} to the optimizer"
+            )
