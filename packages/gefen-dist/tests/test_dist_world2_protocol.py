@@ -25,6 +25,7 @@ from gefen.dist import (
     CodebookProcessGroupBinding,
     GuardedOperation,
     ProcessGroupBinding,
+    any_true_over,
     collect_failure_scope,
     cuda_graph_capturing,
     mesh_key,
@@ -161,6 +162,17 @@ def scenario_vote_messages(rank: int, world_size: int) -> dict[str, Any]:
         "empty_message": vote(ValueError("") if rank == 1 else None, PHASE_LOAD_VALIDATION),
         "both_fail": vote(RuntimeError(f"cause of rank {rank}"), PHASE_STEP_PREFLIGHT),
         "nobody_fails": vote(None, PHASE_STEP_PREFLIGHT),
+    }
+
+
+def scenario_any_true_over(rank: int, world_size: int) -> dict[str, Any]:
+    scope = collect_failure_scope(sharded_optimizer(cpu_mesh()).param_groups)
+    return {
+        "only_rank1": any_true_over(scope, rank == 1),
+        "nobody": any_true_over(scope, False),
+        "everybody": any_true_over(scope, True),
+        "empty_scope_keeps_the_local_flag": any_true_over((), rank == 1),
+        "scope_size": len(scope),
     }
 
 
@@ -379,6 +391,7 @@ def scenario_after_raising(rank: int, world_size: int) -> int:
 SCENARIOS = [
     ("vote_rank0_failure", scenario_vote_rank0_failure, ()),
     ("vote_messages", scenario_vote_messages, ()),
+    ("any_true_over", scenario_any_true_over, ()),
     ("scope_one_mesh", scenario_scope_one_mesh, ()),
     ("amp_disagreements", scenario_amp_disagreements, ()),
     ("amp_agreements", scenario_amp_agreements, ()),
@@ -433,6 +446,15 @@ def test_vote_messages(world: ScenarioWorld) -> None:
             f"Gefen step preflight failed on local rank {rank}: cause of rank {rank}"
         )
         assert result["nobody_fails"]["error"] is None
+
+
+def test_any_true_over_tells_every_member(world: ScenarioWorld) -> None:
+    for rank, result in enumerate(world["any_true_over"]):
+        assert result["scope_size"] > 0
+        assert result["only_rank1"] is True
+        assert result["nobody"] is False
+        assert result["everybody"] is True
+        assert result["empty_scope_keeps_the_local_flag"] is (rank == 1)
 
 
 def test_scope_of_one_cpu_mesh(world: ScenarioWorld) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.kernels import BIN_COUNT, histogram, nearest_index, pad_codebook, solve_codebook
-from gefen.dist import Channel, collective
+from gefen.dist import Channel, any_true_over
 
 CODEBOOK_SIZE = 256
 
@@ -84,18 +84,6 @@ def _finite(view: Tensor) -> Tensor:
     return torch.nan_to_num(view.float(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-@collective
-def _max_flag(channels: Sequence[Channel], flag: bool) -> bool:
-    import torch.distributed as dist
-
-    value = 1 if flag else 0
-    for channel in channels:
-        tensor = torch.tensor([value], dtype=torch.int32, device=channel.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=channel.process_group)
-        value = int(tensor.item())
-    return bool(value)
-
-
 def any_nonzero_agreed(counts: Tensor, scope: Sequence[Channel]) -> bool:
     """ "Some gradient element is non-zero", agreed by a MAX all-reduce over a non-empty scope.
 
@@ -105,7 +93,7 @@ def any_nonzero_agreed(counts: Tensor, scope: Sequence[Channel]) -> bool:
     local = bool(counts.sum().item() > 0)
     if len(scope) == 0:
         return local
-    return _max_flag(tuple(scope), local)
+    return any_true_over(tuple(scope), local)
 
 
 def solve_new_codebook(counts: Tensor, device: torch.device) -> Tensor:

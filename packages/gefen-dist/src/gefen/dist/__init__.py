@@ -39,6 +39,7 @@ from gefen.dist.vote import (
     PHASE_RECORD_PREPARATION,
     PHASE_REFRESH_PREAMBLE,
     PHASE_STEP_PREFLIGHT,
+    any_true_over,
     synchronize_step_error,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "TransportLimits",
     "__version__",
     "all_gather_records",
+    "any_true_over",
     "backend_allows",
     "broadcast_owner_state",
     "check_rank_local_header",

@@ -17,7 +17,7 @@ from gefen.dist.binding import ProcessGroupBinding
 from gefen.dist.errors import GroupAgreementError
 from gefen.dist.runtime import collective
 from gefen.dist.scope import Channel
-from gefen.dist.vote import synchronize_step_error
+from gefen.dist.vote import any_true_over, synchronize_step_error
 
 __all__ = [
     "HEADER_MAGIC",
@@ -66,15 +66,6 @@ def _all_gather_words(channel: Channel, words: list[int]) -> tuple[tuple[int, ..
     rows = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(rows, local, group=channel.process_group)
     return tuple(tuple(int(word) for word in row.tolist()) for row in rows)
-
-
-@collective
-def _all_reduce_max_flag(channel: Channel, flag: bool) -> bool:
-    import torch.distributed as dist
-
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=channel.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=channel.process_group)
-    return bool(value.item())
 
 
 @collective
@@ -196,7 +187,7 @@ class GuardedOperation:
         channel = self._binding_channel("any_true")
         if channel is None:
             return bool(flag)
-        return _all_reduce_max_flag(channel, bool(flag))
+        return any_true_over((channel,), bool(flag))
 
     def gather(self, words: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """Every member's words, in member order (equal lengths are the caller's protocol)."""

@@ -23,6 +23,7 @@ __all__ = [
     "PHASE_RECORD_PREPARATION",
     "PHASE_REFRESH_PREAMBLE",
     "PHASE_STEP_PREFLIGHT",
+    "any_true_over",
     "synchronize_step_error",
 ]
 
@@ -41,16 +42,17 @@ PHASE_RECORD_PREPARATION = "record preparation"
 
 
 @collective
-def _any_member_failed(scope: Sequence[Channel], failed: bool) -> bool:
-    """Fold the flag channel by channel; every rank enters every channel (no short-circuit),
-    so a failure travels along the chain to every rank the scope links."""
+def any_true_over(scope: Sequence[Channel], flag: bool) -> bool:
+    """True on every member when ``flag`` is true on any: one MAX all-reduce per channel, folded
+    channel by channel. Every rank enters every channel (no short-circuit), so a true flag
+    travels along the chain to every rank the scope links. An empty scope returns ``flag``."""
     import torch.distributed as dist
 
-    seen = failed
+    seen = bool(flag)
     for channel in scope:
-        flag = torch.tensor([1 if seen else 0], dtype=torch.int32, device=channel.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=channel.process_group)
-        seen = bool(flag.item())
+        value = torch.tensor([1 if seen else 0], dtype=torch.int32, device=channel.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=channel.process_group)
+        seen = bool(value.item())
     return seen
 
 
@@ -71,7 +73,7 @@ def synchronize_step_error(
         if error is not None:
             raise error
         return
-    if not _any_member_failed(scope, error is not None):
+    if not any_true_over(scope, error is not None):
         return
     if error is not None:
         import torch.distributed as dist
