@@ -188,13 +188,13 @@ def eager_advance_momentum_(
     seed: tuple[int, int] | None,
 ) -> Tensor:
     """The reference of ``MomentumAdvancer``: decode, lerp, encode, store, decode."""
-    from gefen.core.kernels.blocks import decode_blocks, encode_blocks
+    from gefen.core.kernels.blocks import requantized_lerp
 
-    advanced = torch.lerp(decode_blocks(codes, scale, codebook), grad.to(torch.float32), weight)
-    new_codes, new_scale = encode_blocks(advanced, codebook, codes.shape[1], seed=seed)
+    target = grad.to(torch.float32)
+    new_codes, new_scale, stored = requantized_lerp(codes, scale, codebook, target, weight, seed)
     codes.copy_(new_codes)
     scale.copy_(new_scale)
-    return decode_blocks(codes, scale, codebook)
+    return stored
 
 
 def fused_momentum(device_type: str) -> MomentumAdvancer:

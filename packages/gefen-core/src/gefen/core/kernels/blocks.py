@@ -13,7 +13,7 @@ from torch import Tensor
 
 from gefen.core.kernels.quantize import nearest_index, stochastic_index
 
-__all__ = ["decode_blocks", "encode_blocks"]
+__all__ = ["decode_blocks", "encode_blocks", "requantized_lerp"]
 
 
 def encode_blocks(
@@ -54,3 +54,20 @@ def decode_blocks(codes: Tensor, scale: Tensor, codebook: Tensor) -> Tensor:
     if codebook.dtype != torch.float32 or codebook.dim() != 1:
         raise ValueError("decode_blocks: codebook must be a 1-D float32 tensor")
     return codebook[codes.long()] * scale
+
+
+def requantized_lerp(
+    codes: Tensor,
+    scale: Tensor,
+    codebook: Tensor,
+    target: Tensor,
+    weight: float,
+    seed: tuple[int, int] | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """codebook8 momentum's advance, the reference both Gefen and GefenMuon use: decode,
+    ``lerp(decoded, target, weight)`` (fp32, (B, P)), re-encode. Returns the new codes and
+    scale and their decoded values (what the update applies is exactly what is stored).
+    Nothing is modified."""
+    advanced = torch.lerp(decode_blocks(codes, scale, codebook), target, weight)
+    new_codes, new_scale = encode_blocks(advanced, codebook, codes.shape[1], seed=seed)
+    return new_codes, new_scale, decode_blocks(new_codes, new_scale, codebook)

@@ -20,7 +20,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-from gefen.core.kernels.blocks import decode_blocks, encode_blocks
+from gefen.core.kernels.blocks import requantized_lerp
 
 __all__ = [
     "FLT_MIN",
@@ -148,11 +148,11 @@ def _advance_momentum(
         advanced = torch.lerp(momentum.momentum, gradient, 1.0 - beta1)
         return DenseMomentum(advanced), advanced
     assert codebook is not None  # _check_common guarantees it; narrows the type for mypy
-    decoded = decode_blocks(momentum.codes, momentum.scale, codebook)
-    advanced = torch.lerp(decoded, gradient, 1.0 - beta1)
-    codes, scale = encode_blocks(advanced, codebook, gradient.shape[1], seed=seed)
+    codes, scale, stored = requantized_lerp(
+        momentum.codes, momentum.scale, codebook, gradient, 1.0 - beta1, seed
+    )
     # The update uses the re-quantized momentum, so what is stored is exactly what was applied.
-    return CodebookMomentum(codes, scale), decode_blocks(codes, scale, codebook)
+    return CodebookMomentum(codes, scale), stored
 
 
 def _step_size(
