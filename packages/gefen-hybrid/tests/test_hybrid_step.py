@@ -880,3 +880,65 @@ def test_no_collective_is_ever_entered_in_one_process(
     saved = hybrid.state_dict()
     hybrid.load_state_dict(saved)
     _trains(hybrid)
+
+
+# --------------------------------------------------------------------------------------------
+# The AdamW backup's options and state are checked in the voted preflight
+
+
+BAD_ADAMW_OPTIONS = [
+    ("betas", (1.0, 0.999), "betas[0] must be in [0, 1)"),
+    ("betas", (0.9, 0.999, 0.5), "betas must be a pair"),
+    ("lr", [1e-3, 2e-3], "lr must be a real number"),
+    ("lr", "1e-3", "lr must be a real number"),
+    ("lr", torch.tensor([1e-3, 2e-3]), "lr must be a real number or a 1-element real tensor"),
+    ("lr", float("nan"), "lr must be finite and >= 0"),
+    ("lr", float("inf"), "lr must be finite and >= 0"),
+    ("lr", -1e-3, "lr must be finite and >= 0"),
+    ("lr", torch.tensor(float("nan")), "lr must be finite and >= 0"),
+    ("weight_decay", float("nan"), "weight_decay must be finite and >= 0"),
+    ("eps", 0.0, "eps must be finite and > 0"),
+    ("eps", -1e-8, "eps must be finite and > 0"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), BAD_ADAMW_OPTIONS)
+@pytest.mark.parametrize("later", [False, True])
+def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
+    key: str, value: object, fragment: str, later: bool
+) -> None:
+    hybrid = _hybrid(_model(), "adamw")
+    if later:
+        _stepped(hybrid)
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    _set_grads(hybrid, 31)
+    before = _snapshot(hybrid)
+    good = group[key]
+    group[key] = value
+
+    def restore() -> None:
+        group[key] = good
+
+    info = _rejects(hybrid, hybrid.step, ValueError, fragment, restore=restore, before=before)
+    assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
+
+
+def test_an_adamw_moment_of_another_shape_fails_before_either_half_changes() -> None:
+    hybrid = _hybrid(_model(), "adamw")
+    _stepped(hybrid)
+    assert hybrid.backup is not None
+    param = hybrid.backup.param_groups[0]["params"][0]
+    entry = hybrid.backup.state[param]
+    good = entry["exp_avg"]
+    _set_grads(hybrid, 32)
+    before = _snapshot(hybrid)
+    entry["exp_avg"] = torch.zeros(good.numel() + 1)  # e.g. the parameter was reshaped
+
+    def restore() -> None:
+        entry["exp_avg"] = good
+
+    _rejects(
+        hybrid, hybrid.step, RuntimeError, "state does not match parameter (exp_avg has shape",
+        restore=restore, before=before,
+    )  # fmt: skip

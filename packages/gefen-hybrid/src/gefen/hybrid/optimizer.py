@@ -40,6 +40,7 @@ from gefen.dist import (
     cuda_graph_capturing,
 )
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
+from gefen.hybrid.adamw_preflight import check_adamw_backup
 from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
 from gefen.hybrid.construction import HybridConfig, build_children, resolve_lists
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
@@ -265,6 +266,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             self.backup.validate_step_inputs(amp_present=amp_present)
         elif self.backup is not None:
             groups = self.backup.param_groups
+            check_adamw_backup(self.backup, self.OWNER_NAME)
             validate_gradient_structure(groups, owner=self.OWNER_NAME, require_2d=False)
             if self._check_finite and not amp_present:
                 check_finite_gradients(groups)

@@ -1,0 +1,81 @@
+"""The step preflight of an AdamW backup: its options and state checked before anything is
+written, so a bad option fails the whole hybrid step in its voted phase instead of inside the
+backup's commit (after the Muon half has already been written).
+
+The rules are torch's AdamW constructor rules, stricter where torch would silently produce NaN
+parameters: the learning rate and weight decay must be finite, ``eps`` finite and positive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gefen.core.validation import local_tensor
+
+__all__ = ["check_adamw_backup"]
+
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _real(value: object, where: str, name: str) -> float | None:
+    """The value of a real number or a 1-element real tensor (None for a tensor off the CPU,
+    whose value is not read so that the preflight never synchronises a device)."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or not value.is_floating_point():
+            raise ValueError(f"{where}: {name} must be a real number or a 1-element real tensor")
+        if value.device.type != "cpu":
+            return None
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_options(group: Mapping[str, Any], where: str) -> None:
+    lr = _real(group.get("lr"), where, "lr")
+    if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"{where}: lr must be finite and >= 0, got {lr}")
+    betas = group.get("betas")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        value = _real(beta, where, f"betas[{index}]")
+        if value is not None and not 0.0 <= value < 1.0:
+            raise ValueError(f"{where}: betas[{index}] must be in [0, 1), got {value}")
+    eps = _real(group.get("eps"), where, "eps")
+    if eps is not None and not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"{where}: eps must be finite and > 0, got {eps}")
+    decay = _real(group.get("weight_decay"), where, "weight_decay")
+    if decay is not None and not (math.isfinite(decay) and decay >= 0.0):
+        raise ValueError(f"{where}: weight_decay must be finite and >= 0, got {decay}")
+
+
+def _check_state(entry: Mapping[str, Any], param: Tensor, where: str) -> None:
+    shape = local_tensor(param).shape
+    for key in _MOMENT_KEYS:
+        moment = entry.get(key)
+        if moment is None:
+            continue
+        if not isinstance(moment, Tensor) or local_tensor(moment).shape != shape:
+            found = tuple(local_tensor(moment).shape) if isinstance(moment, Tensor) else moment
+            raise RuntimeError(
+                f"{where}: state does not match parameter ({key} has shape {found}, the "
+                f"parameter {tuple(shape)})"
+            )
+
+
+def check_adamw_backup(backup: torch.optim.Optimizer, owner: str) -> None:
+    """Raise on the first option or state entry of ``backup`` its step would fail on or turn
+    into NaN; reads only."""
+    for group_index, group in enumerate(backup.param_groups):
+        where = f"{owner}: AdamW backup group {group_index}"
+        _check_options(group, where)
+        for position, param in enumerate(group["params"]):
+            entry = backup.state.get(param)
+            if entry:
+                _check_state(entry, param, f"{where} parameter {position}")
