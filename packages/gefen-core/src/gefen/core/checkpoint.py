@@ -60,7 +60,9 @@ def live_extras(optimizer: OptimizerShell) -> dict[str, Any]:
     """A fresh extras dict (§8.1): never a live object (the codebook is cloned)."""
     codebook = optimizer.codebook
     initialized = [
-        index for index, _, param in optimizer._indexed() if is_initialized(optimizer.state[param])
+        index
+        for index, _, param in optimizer._indexed()
+        if is_initialized(optimizer.state.get(param, {}))
     ]
     extras: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -361,7 +363,7 @@ def _saved_entries(
         if entry is not None and (not isinstance(entry, Mapping) or "step" in entry):
             continue  # initialized, or malformed and left to the entry validator
         _, _, param = indexed[position]
-        if param.requires_grad or not is_initialized(optimizer.state[param]):
+        if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
             raise loader.reject(
                 f"initialized_params lists position {position} but its entry is not initialized"
             )

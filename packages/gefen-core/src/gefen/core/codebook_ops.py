@@ -35,7 +35,9 @@ __all__ = ["initialize", "publish", "refresh", "stage_step_learning"]
 
 
 def _live_periods(opt: OptimizerShell) -> dict[int, int]:
-    return {index: int(opt.state[param].get("period", 0)) for index, _, param in opt._indexed()}
+    return {
+        index: int(opt.state.get(param, {}).get("period", 0)) for index, _, param in opt._indexed()
+    }
 
 
 def _stage_new_periods(opt: OptimizerShell, inputs: list[CodebookInput]) -> dict[int, int]:

@@ -211,7 +211,10 @@ class Gefen(OptimizerShell):
                         shared.lr, shared.betas, shared.eps, shared.weight_decay,
                         seed=(self._global_step, index),
                     )  # fmt: skip
-                period = learning.periods.get(index, self.state[param]["period"])
+                # A parameter object put into a group after construction has no entry yet: like
+                # torch, it starts fresh (its period is staged by learning, as for a new group).
+                live = self.state.get(param, {}).get("period", 0)
+                period = learning.periods.get(index, live)
                 updater = self._kernel(group, param)
                 position_of = (group_index, position)
                 plan.append(_PlannedUpdate(param, group, position_of, period, scalars, updater))

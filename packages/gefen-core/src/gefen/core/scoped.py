@@ -65,7 +65,7 @@ def _local_contributions(
         period = 0
         if tensor is not None:
             index, group = index_of[id(tensor)]
-            period = int(optimizer.state[tensor].get("period", 0))
+            period = int(optimizer.state.get(tensor, {}).get("period", 0))
             if active and period == 0 and stage_periods:
                 assert grad is not None
                 view = grad.detach()

@@ -125,8 +125,8 @@ class OptimizerShell(HookedStepState, Optimizer):
         previous = self.__dict__.get("_matched_entries", {})
         for group_index, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
-                entry = self.state[param]
-                if entry.get("period", 0) == 0 and not is_initialized(entry):
+                entry = self.state.get(param)  # a parameter replaced in a group has none yet
+                if entry is None or (entry.get("period", 0) == 0 and not is_initialized(entry)):
                     continue
                 signature = entry_signature(group, param, entry)
                 if previous.get(id(param)) != signature:
