@@ -152,6 +152,12 @@ class _EntryCheck:
         if not isinstance(value, Tensor):
             self.fail(f"'{key}' must be a tensor, got {type(value).__name__}")
         local: Tensor = value.to_local() if hasattr(value, "to_local") else value
+        # Layout before anything reads the values: a sparse or meta tensor would otherwise pass
+        # here and fail later with torch's own error, in the step's unvoted phase.
+        if local.layout != torch.strided:
+            self.fail(f"'{key}' must be a dense strided tensor, got layout {local.layout}")
+        if local.device.type == "meta":
+            self.fail(f"'{key}' must hold data (it is on the meta device)")
         if local.dtype != dtype:
             self.fail(f"'{key}' must be {dtype}, got {local.dtype}")
         if tuple(local.shape) != shape:
