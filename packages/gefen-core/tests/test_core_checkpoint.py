@@ -158,6 +158,7 @@ def _valid_rewrite(optimizer, sd) -> None:
     sd["state"][1]["v_step"] += 1
     for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
         extras["initialized_params"].reverse()
+        extras["global_step"] += 1  # counters stay consistent: no entry above global_step
     sd["param_groups"][0]["params"].clear()
     sd["param_groups"][0]["params"].append(0)
 

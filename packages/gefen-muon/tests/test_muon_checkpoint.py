@@ -1117,6 +1117,7 @@ def _rewrite_in_place(optimizer: GefenMuon, sd: dict[str, Any]) -> None:
     entry["step"] += 1
     for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
         extras["initialized_params"].reverse()
+        extras["global_step"] += 1  # counters stay consistent: no entry above global_step
     sd["param_groups"][0]["params"].reverse()
     sd["param_groups"][0]["params"].reverse()
 

@@ -377,6 +377,20 @@ def _saved_entries(
     return saved
 
 
+def _check_counters(
+    loader: _Loader, entries: Mapping[int, Mapping[str, Any]], global_step: int
+) -> None:
+    """No run produces an entry updated more often than the optimizer stepped (this also
+    rejects initialized entries under ``global_step = 0``)."""
+    for position, entry in sorted(entries.items()):
+        step = entry.get("step")
+        if isinstance(step, int) and step > global_step:
+            raise loader.reject(
+                f"entry {position}: 'step' {step} exceeds global_step {global_step} (no run "
+                "updates a parameter more often than the optimizer steps)"
+            )
+
+
 def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLoad:
     """Copy, run the pre-hooks on the copy, validate, and stage (10-core.md §8.2 step 1)."""
     copied = copy_containers(sd)
@@ -397,6 +411,7 @@ def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLo
     needs_codebook = extras["global_step"] > 0 or any(e.get("period", 0) for e in entries.values())
     if optimizer.defaults["momentum_codec"] == "codebook8" and codebook is None and needs_codebook:
         raise loader.reject("codes but no codebook (global_step > 0 or a non-pristine entry)")
+    _check_counters(loader, entries, extras["global_step"])
     new_state: defaultdict[Tensor, Any] = defaultdict(dict)
     flat_params = [param for group in staged_groups for param in group["params"]]
     for position, param in enumerate(flat_params):
