@@ -699,3 +699,49 @@ def test_a_successful_load_clears_the_hybrid_latch_and_the_childrens(
         assert not getattr(child, "_commit_failed", False)
     _same(hybrid.state_dict(), saved)
     _trains(hybrid)
+
+
+def _nan(tensor: torch.Tensor) -> torch.Tensor:
+    broken = tensor.clone()
+    broken.view(-1)[0] = float("nan")
+    return broken
+
+
+ADAMW_BAD_MOMENTS = {
+    "nan-exp_avg": ("exp_avg", _nan, "'exp_avg' must be finite"),
+    "nan-exp_avg_sq": ("exp_avg_sq", _nan, "'exp_avg_sq' must be finite"),
+    "negative-exp_avg_sq": ("exp_avg_sq", lambda t: t - 1.0, "'exp_avg_sq' must be >= 0"),
+    "sparse-exp_avg": ("exp_avg", lambda t: t.to_sparse(), "must be a dense strided tensor"),
+    "bool-exp_avg": ("exp_avg", lambda t: t > 0, "'exp_avg' must be a floating tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADAMW_BAD_MOMENTS))
+def test_an_adamw_entry_with_bad_moment_values_is_rejected(case: str) -> None:
+    key, corrupt, fragment = ADAMW_BAD_MOMENTS[case]
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    entry_id = broken["backup"]["param_groups"][0]["params"][0]
+    entry = broken["backup"]["state"][entry_id]
+    entry[key] = corrupt(entry[key])
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert fragment in str(error)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("betas", (1.0, 0.999), "betas[0] must be in [0, 1)"),
+        ("lr", float("inf"), "lr must be finite and >= 0"),
+        ("eps", 0.0, "eps must be finite and > 0"),
+        ("weight_decay", float("nan"), "weight_decay must be finite and >= 0"),
+    ],
+)
+def test_an_adamw_group_with_a_bad_option_is_rejected(
+    key: str, value: object, fragment: str
+) -> None:
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    broken["backup"]["param_groups"][0][key] = value
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: group 0: ", exact=False)
+    assert fragment in str(error)

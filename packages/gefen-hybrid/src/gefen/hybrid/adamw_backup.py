@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.transaction import HOOK_DICTS, copy_containers
+from gefen.hybrid.adamw_preflight import check_adamw_options
 
 __all__ = ["PreparedAdamWLoad", "prepare_adamw_load"]
 
@@ -69,6 +70,19 @@ def _check_entry(where: str, entry: object, param: Tensor, amsgrad: bool) -> Non
         value = entry[key]
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(param.shape):
             raise _reject(f"{where}: '{key}' must be a tensor of shape {tuple(param.shape)}")
+        _check_moment(f"{where}: '{key}'", value, non_negative=key != "exp_avg")
+
+
+def _check_moment(where: str, value: Tensor, *, non_negative: bool) -> None:
+    """Layout and dtype before values, so torch never raises its own error first."""
+    if value.layout != torch.strided or value.device.type == "meta":
+        raise _reject(f"{where} must be a dense strided tensor holding data")
+    if not value.is_floating_point():
+        raise _reject(f"{where} must be a floating tensor, got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        raise _reject(f"{where} must be finite")
+    if non_negative and bool((value < 0).any()):
+        raise _reject(f"{where} must be >= 0")
 
 
 def _validate(backup: torch.optim.Optimizer, sd: object) -> None:
@@ -84,6 +98,10 @@ def _validate(backup: torch.optim.Optimizer, sd: object) -> None:
         ids = saved.get("params") if isinstance(saved, Mapping) else None
         if not isinstance(ids, list) or len(ids) != len(group["params"]):
             raise _reject(f"group {index} must list {len(group['params'])} parameters")
+        try:
+            check_adamw_options({**group, **saved}, f"group {index}")
+        except ValueError as error:
+            raise _reject(str(error)) from None
         amsgrad = bool(saved.get("amsgrad", group.get("amsgrad", False)))
         for ident, param in zip(ids, group["params"], strict=True):
             if ident in state:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gefen.core.validation import local_tensor
 
-__all__ = ["check_adamw_backup"]
+__all__ = ["check_adamw_backup", "check_adamw_options"]
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -36,7 +36,9 @@ def _real(value: object, where: str, name: str) -> float | None:
     return float(value)
 
 
-def _check_options(group: Mapping[str, Any], where: str) -> None:
+def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError("{where}: <rule>")`` on the first option of an AdamW group that its
+    step would fail on or turn into NaN (used by the preflight and by the backup's load)."""
     lr = _real(group.get("lr"), where, "lr")
     if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
         raise ValueError(f"{where}: lr must be finite and >= 0, got {lr}")
@@ -74,7 +76,7 @@ def check_adamw_backup(backup: torch.optim.Optimizer, owner: str) -> None:
     into NaN; reads only."""
     for group_index, group in enumerate(backup.param_groups):
         where = f"{owner}: AdamW backup group {group_index}"
-        _check_options(group, where)
+        check_adamw_options(group, where)
         for position, param in enumerate(group["params"]):
             entry = backup.state.get(param)
             if entry:
