@@ -28,7 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.fused import hyper_values, stream_value
+from gefen.core.fused import (
+    StepScalars,
+    eager_advance_momentum_,
+    eager_update_,
+    hyper_values,
+    stream_value,
+)
 from gefen.core.kernels import fused_update as reference
 
 __all__ = [
@@ -272,8 +278,6 @@ def native_updater(key: tuple[str, torch.dtype, str, str]) -> NativeUpdater:
 
 
 def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -> None:
-    from gefen.core.fused import StepScalars, eager_update_
-
     _, dtype, _, family = key
     generator = torch.Generator().manual_seed(0)
     param = torch.randn(4, 8, generator=generator).to(dtype)
@@ -319,8 +323,6 @@ class NativeMomentum:
         weight: float,
         seed: tuple[int, int] | None,
     ) -> Tensor:
-        from gefen.core.fused import eager_advance_momentum_, stream_value
-
         if grad.dtype not in _DTYPES or grad.device.type != "cpu":
             return eager_advance_momentum_(grad, codes, scale, codebook, weight, seed)
         blocks, period = codes.shape
@@ -343,8 +345,6 @@ class NativeMomentum:
 
 def native_momentum() -> NativeMomentum:
     """Build (or load) the library and check the momentum kernel against the reference."""
-    from gefen.core.fused import eager_advance_momentum_
-
     advance = NativeMomentum()
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(4, 8, generator=generator)
