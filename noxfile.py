@@ -161,10 +161,12 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
+    """ruff check and ruff format --check over the whole tree, then the private-access rule."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # docs/architecture.md: no module reaches into another object's private names.
+    session.run("python", "tools/private_access.py", "--check")
 
 
 def _harness_install(session: nox.Session, *extra: str) -> None:

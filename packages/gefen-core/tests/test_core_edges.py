@@ -16,13 +16,13 @@ def _optimizer(**options) -> tuple[Gefen, torch.nn.Parameter]:
 
 def _count_validations(monkeypatch) -> list[int]:
     calls: list[int] = []
-    original = Gefen._validate_group
+    original = Gefen.validate_group
 
     def counting(self, group):
         calls.append(1)
         return original(self, group)
 
-    monkeypatch.setattr(Gefen, "_validate_group", counting)
+    monkeypatch.setattr(Gefen, "validate_group", counting)
     return calls
 
 

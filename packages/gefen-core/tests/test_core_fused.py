@@ -7,7 +7,8 @@ import torch
 
 import gefen.core.fused as fused_module
 from gefen.core import Gefen
-from gefen.core.fused import FusedImplementation, eager_update_, register_fused
+from gefen.core.fused import FusedImplementation, register_fused
+from gefen.core.updaters import eager_update_
 
 
 def _registration(name: str, compile_fn, *, deterministic: bool = True) -> FusedImplementation:

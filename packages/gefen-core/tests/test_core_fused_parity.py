@@ -225,7 +225,7 @@ def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
 @pytest.mark.parametrize("seed", [None, (4, 2)])
 def test_fused_momentum_matches_the_eager_reference(implementation, dtype, seed) -> None:
     # GefenMuon's step 1 (gefen.core.fused.MomentumAdvancer), both implementations.
-    from gefen.core.fused import eager_advance_momentum_
+    from gefen.core.updaters import eager_advance_momentum_
 
     if implementation == "native":
         if not HAS_CC:

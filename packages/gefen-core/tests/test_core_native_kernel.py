@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from gefen.core.fused import StepScalars
 from gefen.core.kernels import nearest_index
+from gefen.core.updaters import StepScalars
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(name) for name in ("cc", "gcc", "clang")), reason="needs a C compiler"

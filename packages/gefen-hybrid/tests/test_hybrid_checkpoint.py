@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-import gefen.hybrid.checkpoint as hybrid_checkpoint
+import gefen.hybrid.adamw_participant as adamw_participant
 from gefen.core import Gefen
 from gefen.core.testing import SNAPSHOT_ATTRIBUTES
 from gefen.dist import DistributedStepError
@@ -81,7 +81,7 @@ def _stepped(hybrid: GefenMuonHybrid, steps: int = 1, seed: int = 50) -> None:
 
 def _counters(hybrid: GefenMuonHybrid) -> tuple[int, ...]:
     counts = []
-    for child in hybrid._children:
+    for child in hybrid.children:
         if isinstance(child, (Gefen, GefenMuon)):
             counts.append(child.global_step)
         else:
@@ -172,13 +172,13 @@ def _watch_children(hybrid: GefenMuonHybrid, monkeypatch: pytest.MonkeyPatch) ->
                 return _real(*args)
 
             monkeypatch.setattr(child, name, recorder)
-    real_adamw = hybrid_checkpoint.prepare_adamw_load
+    real_adamw = adamw_participant.prepare_adamw_load
 
     def adamw_recorder(*args: Any) -> Any:
         calls.append("backup.prepare_adamw_load")
         return real_adamw(*args)
 
-    monkeypatch.setattr(hybrid_checkpoint, "prepare_adamw_load", adamw_recorder)
+    monkeypatch.setattr(adamw_participant, "prepare_adamw_load", adamw_recorder)
     return calls
 
 
@@ -275,7 +275,7 @@ def test_round_trip_then_step_resumes_bit_exactly(backend: str, form: str) -> No
         for p, q in zip(_params(hybrid), _params(twin), strict=True):
             assert torch.equal(p.detach(), q.detach())
     _same(twin.state_dict(), hybrid.state_dict())
-    assert _counters(twin) == tuple(5 for _ in hybrid._children)
+    assert _counters(twin) == tuple(5 for _ in hybrid.children)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -695,7 +695,7 @@ def test_a_successful_load_clears_the_hybrid_latch_and_the_childrens(
         hybrid.step()
     hybrid.load_state_dict(saved)
     assert not hybrid._commit_failed
-    for child in hybrid._children:
+    for child in hybrid.children:
         assert not getattr(child, "_commit_failed", False)
     _same(hybrid.state_dict(), saved)
     _trains(hybrid)

@@ -175,9 +175,9 @@ def trains(hybrid: GefenMuonHybrid, seed: int = 7) -> None:
     live = params(hybrid)
     fill_grads(live, seed)
     before = [p.detach().clone() for p in live]
-    counters = [c.global_step for c in hybrid._gefen_children()]
+    counters = [c.global_step for c in hybrid.gefen_children()]
     hybrid.step()
-    assert [c.global_step for c in hybrid._gefen_children()] == [n + 1 for n in counters]
+    assert [c.global_step for c in hybrid.gefen_children()] == [n + 1 for n in counters]
     assert all(not torch.equal(b, p) for b, p in zip(before, live, strict=True))
     hybrid.zero_grad(set_to_none=True)
 
@@ -222,8 +222,8 @@ def test_forwarding_routes_registry_and_state_to_the_targets() -> None:
     for fqn in setup.names:
         child = hybrid.muon if fqn in MUON_NAMES else hybrid.backup
         target, old = setup.targets[fqn], setup.olds[fqn]
-        assert hybrid._owner_of(target) is child
-        assert hybrid._owner_of(old) is None
+        assert hybrid.owner_of(target) is child
+        assert hybrid.owner_of(old) is None
         assert target in hybrid.state
         assert old not in hybrid.state
         assert hybrid.state[target] is child.state[target]
@@ -502,7 +502,7 @@ def test_children_with_different_bindings_fail_at_step_entry() -> None:
             manifest=ShardingManifest(tuple(setup.shards[f] for f in names)),
             codebook_process_group=CodebookProcessGroupBinding(SOLO, ME, None, "cpu"),
         )
-    hybrid._rebuild_registry()
+    hybrid.rebuild_registry()
     fill_grads(params(hybrid), 3)
     rejects(hybrid, hybrid.step, RuntimeError, "different codebook bindings")
 

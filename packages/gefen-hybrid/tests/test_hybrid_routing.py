@@ -489,15 +489,15 @@ def test_two_list_form_including_one_sided_hybrids() -> None:
     assert full.backup is not None
     assert full.muon.param_groups[0]["params"] == [w, v]
     assert full.backup.param_groups[0]["params"] == [b]
-    assert full._children == (full.muon, full.backup)
+    assert full.children == (full.muon, full.backup)
     _trains(full)
     muon_only = GefenMuonHybrid([("w", w)], [], lr=1e-2, **FAST)
     assert muon_only.backup is None
-    assert muon_only._children == (muon_only.muon,)
+    assert muon_only.children == (muon_only.muon,)
     _trains(muon_only)
     backup_only = GefenMuonHybrid([], [("b", b)], lr=1e-2, **FAST)
     assert backup_only.muon is None
-    assert backup_only._children == (backup_only.backup,)
+    assert backup_only.children == (backup_only.backup,)
     _trains(backup_only)
     # The two-list form never re-routes: a 1-D tensor in the Muon list reaches GefenMuon,
     # whose own constructor rejects it.
@@ -620,7 +620,7 @@ def test_one_d_only_model_builds_backup_only_hybrid(backend: str) -> None:
     hybrid = GefenMuonHybrid(model, lr=1e-2, backup_optimizer=backend, fused=False)
     assert hybrid.muon is None
     assert hybrid.backup is not None
-    assert hybrid._children == (hybrid.backup,)
+    assert hybrid.children == (hybrid.backup,)
     expected = Gefen if backend == "gefen" else torch.optim.AdamW
     assert type(hybrid.backup) is expected
     _trains(hybrid)

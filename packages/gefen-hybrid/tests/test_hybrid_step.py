@@ -71,7 +71,7 @@ def _half_params(hybrid: GefenMuonHybrid, half: str) -> list[torch.Tensor]:
 def _counters(hybrid: GefenMuonHybrid) -> tuple[int, ...]:
     """Committed steps per child: GefenMuon/Gefen's global_step, AdamW's largest ``step``."""
     counts = []
-    for child in hybrid._children:
+    for child in hybrid.children:
         if isinstance(child, (Gefen, GefenMuon)):
             counts.append(child.global_step)
         else:
@@ -376,7 +376,7 @@ def test_instance_hooks_fire_once_and_global_hooks_at_least_once(backend: str) -
         register_optimizer_step_pre_hook(bump_global("global pre")),
         register_optimizer_step_post_hook(bump_global("global post")),
     ]
-    gefen_children = [c for c in hybrid._children if isinstance(c, (Gefen, GefenMuon))]
+    gefen_children = [c for c in hybrid.children if isinstance(c, (Gefen, GefenMuon))]
     for child in gefen_children:  # Gefen children fire no hooks during a hybrid step
         child.register_step_pre_hook(bump("child"))
         child.register_step_post_hook(bump("child"))
@@ -473,7 +473,7 @@ def test_finite_scaled_step_equals_unscaled_step_bitwise(
 
 
 def _assert_same_state(a: GefenMuonHybrid, b: GefenMuonHybrid) -> None:
-    for child_a, child_b in zip(a._children, b._children, strict=True):
+    for child_a, child_b in zip(a.children, b.children, strict=True):
         params_a = [p for g in child_a.param_groups for p in g["params"]]
         params_b = [p for g in child_b.param_groups for p in g["params"]]
         for p, q in zip(params_a, params_b, strict=True):
@@ -760,7 +760,7 @@ def test_backup_commit_failure_latches_the_hybrid_until_a_load(
             p.copy_(saved_params[name])
     hybrid.load_state_dict(saved)
     assert not hybrid._commit_failed
-    assert all(not getattr(child, "_commit_failed", False) for child in hybrid._children)
+    assert all(not getattr(child, "_commit_failed", False) for child in hybrid.children)
     assert _counters(hybrid) == (1, 1)
     _trains(hybrid)
 
@@ -818,7 +818,7 @@ def test_muon_only_and_backup_only_hybrids_step(backend: str, which: str) -> Non
         )
         assert hybrid.muon is None
         assert hybrid.backup is not None
-    assert len(hybrid._children) == 1
+    assert len(hybrid.children) == 1
     for step in range(3):
         _trains(hybrid, seed=200 + 10 * step)
     assert _counters(hybrid) == (3,)

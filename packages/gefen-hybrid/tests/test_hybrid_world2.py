@@ -395,7 +395,7 @@ def scenario_reversed(rank: int, world_size: int) -> dict[str, Any]:
             group["params"].reverse()
             group["param_names"].reverse()
             # The layout registry is derived data (30-hybrid.md §4); it follows the repair.
-            hybrid._rebuild_registry()
+            hybrid.rebuild_registry()
 
     result = _rejected_step(hybrid, model, hybrid.step, recover=recover)
     result["registered"] = registered

@@ -235,7 +235,11 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
                 assert torch.equal(copy_[key], value)
             else:
                 assert copy_[key] == value
-    momentum = {"momentum_codes", "momentum_scale"} if codec == "codebook8" else {"momentum_buffer"}
+    momentum = (
+        {"momentum_codes", "momentum_scale", "matrix_cols"}
+        if codec == "codebook8"
+        else {"momentum_buffer"}
+    )
     for index, p in enumerate(params[:2]):
         entry = sd["state"][index]
         assert set(entry) == {"period", "step", "normuon_v", "normuon_step"} | momentum

@@ -30,7 +30,7 @@ SHARD = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
 ALL_PRECISIONS = frozenset(
     {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
 )
-Q8_KEYS = {"momentum_codes", "momentum_scale"}
+Q8_KEYS = {"momentum_codes", "momentum_scale", "matrix_cols"}
 NORMUON_KEYS = {"normuon_v", "normuon_step"}
 PARAMETER_KEYS = {"period", "step", "momentum_buffer", *Q8_KEYS, *NORMUON_KEYS}
 # Flags the explicit-scope issue will turn on; until then only their type is pinned.

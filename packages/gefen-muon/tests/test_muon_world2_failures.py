@@ -606,7 +606,9 @@ class TestGlooWorld2:
             assert result["global_step"] == 1
             assert result["codebook"] is True
             assert result["after"]["global_step"] == 2
-        assert first["state_keys"] == [["momentum_codes", "momentum_scale", "period", "step"]]
+        assert first["state_keys"] == [
+            ["matrix_cols", "momentum_codes", "momentum_scale", "period", "step"]
+        ]
         assert second["state_keys"] == [["period"]]  # an empty shard gets no state
         assert first["after"]["moved"] is True
 

@@ -151,12 +151,12 @@ class NestedKind(Kind):
         _expect(path, raw, dict, "a dict")
         candidates = self.types()
         if len(candidates) == 1:
-            return candidates[0]._parse_at(path, raw)
+            return candidates[0].from_primitive_at(path, raw)
         assert isinstance(raw, dict)
         tag = raw.get("kind")
         for candidate in candidates:
             if type(tag) is str and tag == candidate.TAG:
-                return candidate._parse_at(path, raw)
+                return candidate.from_primitive_at(path, raw)
         tags = ", ".join(repr(candidate.TAG) for candidate in candidates)
         raise form_error(f"{path}.kind", f"wrong kind tag, expected one of {tags}, got {show(tag)}")
 
@@ -317,10 +317,10 @@ class ContractValue:
     @classmethod
     def from_primitive(cls: type[V], obj: object) -> V:
         """Parse a primitive form; any malformation raises ``PrimitiveFormError``."""
-        return cls._parse_at(cls.__name__, obj)
+        return cls.from_primitive_at(cls.__name__, obj)
 
     @classmethod
-    def _parse_at(cls: type[V], path: str, raw: object) -> V:
+    def from_primitive_at(cls: type[V], path: str, raw: object) -> V:
         _expect(path, raw, dict, "a dict")
         assert isinstance(raw, dict)
         fields = dataclasses.fields(cls)

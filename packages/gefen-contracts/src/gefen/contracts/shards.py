@@ -63,7 +63,7 @@ class ShardIdentity(ContractValue):
         self._normalise_placements()
         self._check_group()
         self._check_owner_and_dimensions()
-        _LAYOUT_RULES[self.layout](self)
+        self._check_layout_rules()
 
     def _check_extent(self) -> None:
         location = f"{_LOCATION}.extent"
@@ -168,6 +168,17 @@ class ShardIdentity(ContractValue):
         if self.extent != full:
             raise value_error(f"{_LOCATION}.extent", rule, self.extent)
 
+    def _check_layout_rules(self) -> None:
+        layout = self.layout
+        if layout is ParameterLayout.REPLICATED:
+            self._check_replicated()
+        elif layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
+            self._check_flattened()
+        elif layout is ParameterLayout.WHOLE_PARAMETER_OWNER:
+            self._check_whole_owner()
+        else:
+            self._check_dtensor()
+
     def _check_replicated(self) -> None:
         self._require_full("a replicated shard must cover the full parameter")
         if self.process_group is None:
@@ -241,11 +252,3 @@ class ShardIdentity(ContractValue):
         if isinstance(extent, LogicalRegion):
             key += (extent.offsets, extent.lengths)
         return key
-
-
-_LAYOUT_RULES = {
-    ParameterLayout.REPLICATED: ShardIdentity._check_replicated,
-    ParameterLayout.FLATTENED_ELEMENT_SHARD: ShardIdentity._check_flattened,
-    ParameterLayout.WHOLE_PARAMETER_OWNER: ShardIdentity._check_whole_owner,
-    ParameterLayout.DTENSOR_1D_DEFAULT_WORLD: ShardIdentity._check_dtensor,
-}

@@ -1,13 +1,12 @@
 """gefen.core: ``Gefen``, an AdamW replacement with about 1 byte of state per parameter.
 
-The public API for sibling packages lives at the import paths of 10-core.md §1.1
-(``gefen.core.shell``, ``gefen.core.state``, ``gefen.core.codec``, ``gefen.core.kernels``,
-``gefen.core.validation``).
+This module is the user API. Optimizers built on gefen-core's shell (gefen-muon, gefen-hybrid,
+a third party's) import everything else from ``gefen.core.extension``, the extension API.
 """
 
 from gefen.core._version import __version__
-from gefen.core.finalization import ParameterRebinding
 from gefen.core.optimizer import Gefen
+from gefen.core.sharded_layout import ParameterRebinding
 from gefen.core.validation import NonFiniteGradientError
 
 __all__ = ["Gefen", "NonFiniteGradientError", "ParameterRebinding", "__version__"]

@@ -13,6 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from gefen.core.validation import local_tensor
+from gefen.dist.torch_internals import tensor_version
 
 __all__ = ["entry_signature", "options_token"]
 
@@ -21,7 +22,7 @@ def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
     """What identifies a group's option values: type and value, or a tensor's identity and
     version (an LR scheduler's ``fill_`` bumps it)."""
     return tuple(
-        (name, type(value), id(value), value._version)
+        (name, type(value), id(value), tensor_version(value))
         if isinstance(value, Tensor)
         else (name, type(value), value)
         for name, value in group.items()

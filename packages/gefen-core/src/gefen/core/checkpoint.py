@@ -23,16 +23,27 @@ from gefen.core.state import is_initialized, validate_codebook
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import parameter_label
 from gefen.dist import (
+    BindingError,
+    CheckpointProcessGroupBinding,
     GuardedOperation,
+    ProcessGroupBinding,
     check_rank_local_header,
     check_rank_local_records,
     rank_local_header,
 )
+from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_hooks
 
 if TYPE_CHECKING:
-    from gefen.core.shell import OptimizerShell
+    from gefen.core.participant import ShellInterface
 
-__all__ = ["EXTRAS_KEY", "FORMAT_VERSION", "PreparedLoad", "build_state_dict", "prepare_load"]
+__all__ = [
+    "EXTRAS_KEY",
+    "FORMAT_VERSION",
+    "PreparedLoad",
+    "build_state_dict",
+    "check_checkpoint_binding",
+    "prepare_load",
+]
 
 EXTRAS_KEY = "gefen"
 FORMAT_VERSION = 1
@@ -48,6 +59,32 @@ BASE_EXTRAS = (
 LIVE_OPTIONS = ("fused", "check_finite", "codebook_refresh_every", "stochastic_round")
 
 
+def check_checkpoint_binding(
+    checkpoint_binding: object, installed: ProcessGroupBinding | None
+) -> None:
+    """A ``checkpoint_binding`` must match the installed codebook binding exactly, same
+    handle object (50-dist.md §7, §8.2 step 5); None checks nothing."""
+    if checkpoint_binding is None:
+        return
+    if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
+        raise TypeError(
+            "checkpoint_binding must be a CheckpointProcessGroupBinding, got "
+            f"{type(checkpoint_binding).__name__}"
+        )
+    if installed is None:
+        raise BindingError("no codebook binding is installed")
+    if (
+        checkpoint_binding.process_group is not installed.process_group
+        or checkpoint_binding.identity != installed.identity
+        or checkpoint_binding.local_member != installed.local_member
+        or checkpoint_binding.collective_device != installed.collective_device
+    ):
+        raise BindingError(
+            "checkpoint_binding does not match the installed codebook binding (same "
+            "identity, member, device and process-group handle object required)"
+        )
+
+
 def _reject(owner: str, rule: str) -> ValueError:
     """A load rejection in the shared loader's one format."""
     return ValueError(f"{owner} checkpoint: {rule}")
@@ -56,12 +93,12 @@ def _reject(owner: str, rule: str) -> ValueError:
 # -- save ---------------------------------------------------------------------------------------
 
 
-def live_extras(optimizer: OptimizerShell) -> dict[str, Any]:
+def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
     """A fresh extras dict (§8.1): never a live object (the codebook is cloned)."""
     codebook = optimizer.codebook
     initialized = [
         index
-        for index, _, param in optimizer._indexed()
+        for index, _, param in optimizer.indexed_params()
         if is_initialized(optimizer.state.get(param, {}))
     ]
     extras: dict[str, Any] = {
@@ -75,14 +112,14 @@ def live_extras(optimizer: OptimizerShell) -> dict[str, Any]:
     scope = scope_extras(optimizer)
     if scope is not None:
         extras["scope"] = scope
-    if optimizer._rank_local_checkpoint():
+    if optimizer.rank_local_checkpoint():
         extras["rank_local"] = rank_local_header(optimizer.step_failure_scope())
     return extras
 
 
-def scope_extras(optimizer: OptimizerShell) -> dict[str, Any] | None:
+def scope_extras(optimizer: ShellInterface) -> dict[str, Any] | None:
     """The codebook scope's identity and refresh policy (never a runtime handle), or None."""
-    finalized = optimizer._finalized
+    finalized = optimizer.finalized
     if finalized is None or finalized.binding is None:
         return None
     return {
@@ -92,7 +129,7 @@ def scope_extras(optimizer: OptimizerShell) -> dict[str, Any] | None:
 
 
 def build_state_dict(
-    optimizer: OptimizerShell, entries: dict[int, dict[str, Any]]
+    optimizer: ShellInterface, entries: dict[int, dict[str, Any]]
 ) -> dict[str, Any]:
     """torch's layout with ``params`` as flat indices, plus the extras everywhere."""
     groups = []
@@ -106,10 +143,10 @@ def build_state_dict(
     return {"state": entries, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
 
 
-def _extras_copy(optimizer: OptimizerShell, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def _extras_copy(optimizer: ShellInterface, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """One independent copy of the extras, with the subclass's optional keys."""
     extras = live_extras(optimizer)
-    extras.update(copy.deepcopy(optimizer._checkpoint_extras(entries)))
+    extras.update(copy.deepcopy(optimizer.checkpoint_extras(entries)))
     return extras
 
 
@@ -136,7 +173,7 @@ def _equal(a: Any, b: Any) -> bool:
 class PreparedLoad:
     """A validated, staged load. ``commit()`` cannot fail; ``run_post_hooks()`` runs once."""
 
-    optimizer: OptimizerShell
+    optimizer: ShellInterface
     state: defaultdict[Tensor, Any]
     param_groups: list[dict[str, Any]]
     global_step: int
@@ -155,22 +192,16 @@ class PreparedLoad:
 
     def commit(self) -> None:
         """Publish by assignment only; clears the failed-commit latch."""
-        optimizer = self.optimizer
-        optimizer.state = self.state
-        optimizer.param_groups = self.param_groups
-        optimizer._global_step = self.global_step
-        optimizer._codebook = self.codebook
-        optimizer._commit_failed = False
+        self.optimizer.publish_load(self.state, self.param_groups, self.global_step, self.codebook)
 
     def run_post_hooks(self) -> None:
-        for hook in self.optimizer._optimizer_load_state_dict_post_hooks.values():
-            hook(self.optimizer)
+        run_load_post_hooks(self.optimizer)
 
 
 class _Loader:
     """One ``prepare_load`` call: the copied dict and the live optimizer it is checked against."""
 
-    def __init__(self, optimizer: OptimizerShell, sd: dict[str, Any]) -> None:
+    def __init__(self, optimizer: ShellInterface, sd: dict[str, Any]) -> None:
         self.optimizer = optimizer
         self.owner = optimizer.OWNER_NAME
         self.sd = sd
@@ -280,7 +311,7 @@ class _Loader:
                     "finalized with an equal scope, and a scoped optimizer needs one)"
                 )
         scope = self.optimizer.step_failure_scope()
-        if "rank_local" not in extras and not self.optimizer._rank_local_checkpoint():
+        if "rank_local" not in extras and not self.optimizer.rank_local_checkpoint():
             return
         if "rank_local" not in extras:
             raise self.reject("rank-local checkpoint topology differs: 'rank_local' is missing")
@@ -304,7 +335,7 @@ class _Loader:
         staged["params"] = list(live["params"])
         self.names(index, staged, live)
         try:
-            self.optimizer._validate_group(staged)
+            self.optimizer.validate_group(staged)
         except (ValueError, TypeError, RuntimeError) as error:
             raise self.reject(f"group {index}: {error}") from None
         return staged
@@ -350,12 +381,12 @@ def _saved_entries(
     entry (DCP drops frozen parameters' state), with one warning.
 
     ``groups`` are the staged groups, so the warning names parameters as the entry errors of
-    ``_stage_entries`` do (with the checkpoint's ``param_names`` when it has them).
+    ``stage_entries`` do (with the checkpoint's ``param_names`` when it has them).
     """
     optimizer = loader.optimizer
     flat = [ident for ids in identifiers for ident in ids]
     saved = {position: state[ident] for position, ident in enumerate(flat) if ident in state}
-    indexed = optimizer._indexed()
+    indexed = optimizer.indexed_params()
     for position in extras["initialized_params"]:
         if not 0 <= position < len(flat):
             raise loader.reject(f"initialized_params lists position {position} out of range")
@@ -391,13 +422,9 @@ def _check_counters(
             )
 
 
-def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLoad:
+def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLoad:
     """Copy, run the pre-hooks on the copy, validate, and stage (10-core.md §8.2 step 1)."""
-    copied = copy_containers(sd)
-    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
-        replaced = hook(optimizer, copied)
-        if replaced is not None:
-            copied = replaced
+    copied = copy_with_load_pre_hooks(optimizer, copy_containers(sd))
     loader = _Loader(optimizer, copied)
     state, groups, identifiers = loader.structure()
     extras = loader.extras(groups)
@@ -406,7 +433,7 @@ def prepare_load(optimizer: OptimizerShell, sd: Mapping[str, Any]) -> PreparedLo
         for index, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True))
     ]
     saved = _saved_entries(loader, state, identifiers, extras, staged_groups)
-    entries = optimizer._stage_entries(saved, staged_groups, extras)
+    entries = optimizer.stage_entries(saved, staged_groups, extras)
     codebook = extras["codebook"]
     needs_codebook = extras["global_step"] > 0 or any(e.get("period", 0) for e in entries.values())
     if optimizer.defaults["momentum_codec"] == "codebook8" and codebook is None and needs_codebook:

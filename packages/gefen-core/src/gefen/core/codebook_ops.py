@@ -29,33 +29,34 @@ from gefen.dist import PHASE_INITIALIZE_PREAMBLE, PHASE_REFRESH_PREAMBLE, Guarde
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_INITIALIZE, OP_REFRESH
 
 if TYPE_CHECKING:
-    from gefen.core.shell import OptimizerShell
+    from gefen.core.participant import ShellInterface
 
 __all__ = ["initialize", "publish", "refresh", "stage_step_learning"]
 
 
-def _live_periods(opt: OptimizerShell) -> dict[int, int]:
+def _live_periods(opt: ShellInterface) -> dict[int, int]:
     return {
-        index: int(opt.state.get(param, {}).get("period", 0)) for index, _, param in opt._indexed()
+        index: int(opt.state.get(param, {}).get("period", 0))
+        for index, _, param in opt.indexed_params()
     }
 
 
-def _stage_new_periods(opt: OptimizerShell, inputs: list[CodebookInput]) -> dict[int, int]:
-    by_index = {index: (group, param) for index, group, param in opt._indexed()}
+def _stage_new_periods(opt: ShellInterface, inputs: list[CodebookInput]) -> dict[int, int]:
+    by_index = {index: (group, param) for index, group, param in opt.indexed_params()}
 
     def select(index: int, view: Tensor, shape: tuple[int, ...]) -> int | None:
         group, param = by_index[index]
-        return opt._select_period(group, param, view, shape)
+        return opt.select_new_period(group, param, view, shape)
 
     return stage_periods(inputs, _live_periods(opt), select)
 
 
-def _first_codebook(opt: OptimizerShell, op: GuardedOperation) -> StagedLearning:
+def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning:
     """Periods for every input and the first codebook, or the agreed no-op (§5.5)."""
     if _scoped(opt, op):
         learned = scoped_learn(opt, op, stage_periods=True)
         return StagedLearning(noop=True) if learned is None else learned
-    inputs = opt._codebook_inputs(op)
+    inputs = opt.codebook_inputs(op)
     periods = _stage_new_periods(opt, inputs)
     counts = build_histogram(inputs, periods)
     if not any_nonzero_agreed(counts, op.scope):
@@ -65,7 +66,7 @@ def _first_codebook(opt: OptimizerShell, op: GuardedOperation) -> StagedLearning
 
 
 def _refreshed(
-    opt: OptimizerShell,
+    opt: ShellInterface,
     op: GuardedOperation,
     inputs: list[CodebookInput],
     staged: Mapping[int, int],
@@ -85,22 +86,22 @@ def _refreshed(
     return new_codebook, remap_table(current, new_codebook)
 
 
-def _scoped(opt: OptimizerShell, op: GuardedOperation) -> bool:
-    return op.binding is not None and opt._finalized is not None
+def _scoped(opt: ShellInterface, op: GuardedOperation) -> bool:
+    return op.binding is not None and opt.finalized is not None
 
 
-def refresh_due(opt: OptimizerShell) -> bool:
+def refresh_due(opt: ShellInterface) -> bool:
     every = int(opt.defaults.get("codebook_refresh_every", 0))
     return every > 0 and opt.global_step > 0 and opt.global_step % every == 0
 
 
-def stage_step_learning(opt: OptimizerShell, op: GuardedOperation) -> StagedLearning:
+def stage_step_learning(opt: ShellInterface, op: GuardedOperation) -> StagedLearning:
     """What phase 4 learns before the update: new periods, and a first or refreshed codebook."""
-    if not opt._codebook8:
-        return StagedLearning(periods=_stage_new_periods(opt, opt._codebook_inputs(op)))
+    if not opt.uses_codebook:
+        return StagedLearning(periods=_stage_new_periods(opt, opt.codebook_inputs(op)))
     if opt.codebook is None:
         return _first_codebook(opt, op)
-    inputs = opt._codebook_inputs(op)
+    inputs = opt.codebook_inputs(op)
     learning = StagedLearning(periods=_stage_new_periods(opt, inputs))
     if refresh_due(opt):
         refreshed = _refreshed(opt, op, inputs, learning.periods)
@@ -109,10 +110,10 @@ def stage_step_learning(opt: OptimizerShell, op: GuardedOperation) -> StagedLear
     return learning
 
 
-def publish(opt: OptimizerShell, learning: StagedLearning) -> None:
-    """Write staged periods, remap every code tensor in place (one at a time) and publish the
-    codebook (the caller latches on failure)."""
-    by_index = {index: param for index, _, param in opt._indexed()}
+def publish(opt: ShellInterface, learning: StagedLearning) -> None:
+    """Write staged periods and remap every code tensor in place, one at a time (the shell
+    installs the new codebook after this and latches on failure)."""
+    by_index = {index: param for index, _, param in opt.indexed_params()}
     for index, period in learning.periods.items():
         opt.state[by_index[index]]["period"] = period
     if learning.remap is not None:
@@ -120,23 +121,21 @@ def publish(opt: OptimizerShell, learning: StagedLearning) -> None:
         for entry in opt.state.values():
             if key in entry:
                 remap_codes_(learning.remap, entry[key])
-    if learning.codebook is not None:
-        opt._codebook = learning.codebook
 
 
-def _voted_preamble(opt: OptimizerShell, phase: str, checks: Any, op_code: int) -> GuardedOperation:
+def _voted_preamble(opt: ShellInterface, phase: str, checks: Any, op_code: int) -> GuardedOperation:
     """The preamble voted over the scope, then (scoped) the operation header."""
-    op = opt._operation()
+    op = opt.guarded_operation()
     payload = op.local(phase, checks)
     if op.binding is not None and payload is not None:
         op.header(op_code, payload, HEADER_WORD_NAMES)
     return op
 
 
-def initialize(opt: OptimizerShell) -> bool:
+def initialize(opt: ShellInterface) -> bool:
     """Learn the codebook from the current gradients without stepping (§2.4, §9.4)."""
-    op = _voted_preamble(opt, PHASE_INITIALIZE_PREAMBLE, opt._preamble_checks, OP_INITIALIZE)
-    if not opt._codebook8 or opt.codebook is not None:
+    op = _voted_preamble(opt, PHASE_INITIALIZE_PREAMBLE, opt.initialize_preamble, OP_INITIALIZE)
+    if not opt.uses_codebook or opt.codebook is not None:
         return False
     # Learning may gather gradients (GefenMuon's full_tensor): agree on presence first.
     opt.check_step_agreement()
@@ -144,19 +143,19 @@ def initialize(opt: OptimizerShell) -> bool:
         learning = _first_codebook(opt, op)
     if learning.noop:
         return False
-    opt._publish_only(learning)
+    opt.publish_learning(learning)
     return True
 
 
-def refresh(opt: OptimizerShell) -> bool:
+def refresh(opt: ShellInterface) -> bool:
     """The refresh transaction of §5.6 / §9.5 on demand; True iff the codebook was replaced."""
-    op = _voted_preamble(opt, PHASE_REFRESH_PREAMBLE, opt._refresh_preamble, OP_REFRESH)
+    op = _voted_preamble(opt, PHASE_REFRESH_PREAMBLE, opt.refresh_preamble, OP_REFRESH)
     with torch.no_grad():
         # The scoped refresh reads the finalized shards itself; only the unscoped one needs inputs.
-        inputs = [] if _scoped(opt, op) else opt._codebook_inputs(op)
+        inputs = [] if _scoped(opt, op) else opt.codebook_inputs(op)
         refreshed = _refreshed(opt, op, inputs, {})
     if refreshed is None:
         return False
     codebook, table = refreshed
-    opt._publish_only(StagedLearning(codebook=codebook, remap=table))
+    opt.publish_learning(StagedLearning(codebook=codebook, remap=table))
     return True

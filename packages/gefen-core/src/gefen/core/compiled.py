@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.fused import (
+from gefen.core.kernels import fused_update as kernels
+from gefen.core.updaters import (
     CHUNK_ELEMENTS,
     CodebookTables,
     KernelKey,
@@ -26,7 +27,7 @@ from gefen.core.fused import (
     hyper_values,
     stream_value,
 )
-from gefen.core.kernels import fused_update as kernels
+from gefen.dist.torch_internals import dynamo_unique_graphs
 
 __all__ = [
     "FusedMomentum",
@@ -77,9 +78,7 @@ def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any
 
 def compiled_graph_count() -> int:
     """Graphs Dynamo compiled so far in this process (for the harness and the tests)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+    return dynamo_unique_graphs()
 
 
 class FusedUpdater:

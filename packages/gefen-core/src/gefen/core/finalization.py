@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gefen.contracts import LogicalSlice, ParameterLayout, ShardIdentity, ShardingManifest
+from gefen.contracts import LogicalSlice, ParameterLayout, ShardingManifest
+from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.validation import is_dtensor
 from gefen.dist import CodebookProcessGroupBinding
 from gefen.dist.codebook_scope import (
@@ -25,85 +26,32 @@ from gefen.dist.codebook_scope import (
 )
 
 if TYPE_CHECKING:
-    from gefen.core.shell import OptimizerShell
+    from gefen.core.participant import ShellInterface
 
-__all__ = ["Finalized", "ParameterRebinding", "PreparedFinalization", "prepare_finalization"]
+__all__ = ["PreparedFinalization", "prepare_finalization"]
 
 _OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
 _FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
-
-
-@dataclass(frozen=True, eq=False)
-class ParameterRebinding:
-    """What one original slot has become: ``new_parameter`` (None: this rank is a non-owner of a
-    whole-parameter-owner slot, which is pruned locally) and its ``shard`` identity."""
-
-    old_parameter: Tensor
-    new_parameter: Tensor | None
-    shard: ShardIdentity
-
-    def __post_init__(self) -> None:
-        if type(self.shard) is not ShardIdentity:
-            raise TypeError(
-                f"ParameterRebinding.shard must be a gefen.contracts.ShardIdentity, got "
-                f"{type(self.shard).__name__}"
-            )
-
-
-@dataclass(frozen=True)
-class Finalized:
-    """The finalized layout: per group the live tensors (pruned slots removed), every local
-    shard in canonical order with its tensor (None when pruned), and the scope."""
-
-    group_params: tuple[tuple[Tensor, ...], ...]
-    group_shards: tuple[tuple[ShardIdentity, ...], ...]
-    shards: tuple[tuple[ShardIdentity, Tensor | None], ...]
-    manifest: ShardingManifest
-    binding: CodebookProcessGroupBinding | None
-    scope_fingerprint: bytes | None
-    manifest_fingerprint: bytes
-
-    def layout_intact(self, param_groups: Sequence[Any]) -> bool:
-        """Each group's live ``params`` still holds the finalized tensors (``is``, in order)."""
-        if len(param_groups) != len(self.group_params):
-            return False
-        for group, expected in zip(param_groups, self.group_params, strict=True):
-            params = group["params"]
-            if len(params) != len(expected) or any(
-                a is not b for a, b in zip(params, expected, strict=True)
-            ):
-                return False
-        return True
 
 
 @dataclass(eq=False)
 class PreparedFinalization:
     """A validated finalization; ``commit()`` swaps it in and cannot fail."""
 
-    optimizer: OptimizerShell
+    optimizer: ShellInterface
     groups: list[tuple[list[Tensor], list[str]]]
     finalized: Finalized
 
     def commit(self) -> None:
-        optimizer = self.optimizer
-        state: dict[Tensor, Any] = {}
-        for group, (params, names) in zip(optimizer.param_groups, self.groups, strict=True):
-            group["params"] = params
-            group["param_names"] = names
-            for param in params:
-                state[param] = {"period": 0}
-        optimizer.state.clear()
-        optimizer.state.update(state)
-        optimizer._binding = self.finalized.binding
-        optimizer._finalized = self.finalized
+        self.optimizer.publish_finalization(self.finalized, list(self.groups))
 
 
 def _fail(slot: str, rule: str) -> ValueError:
     return ValueError(f"post_sharding: {slot}: {rule}")
 
 
-def _check_preconditions(optimizer: OptimizerShell) -> None:
-    if optimizer._finalized is not None:
+def _check_preconditions(optimizer: ShellInterface) -> None:
+    if optimizer.finalized is not None:
         raise RuntimeError("post_sharding: the optimizer is already finalized")
     pristine = (
         optimizer.global_step == 0
@@ -186,7 +134,7 @@ def _storage_disjoint(targets: list[tuple[str, Tensor]]) -> None:
 
 
 def _match_slots(
-    optimizer: OptimizerShell, rebindings: list[ParameterRebinding]
+    optimizer: ShellInterface, rebindings: list[ParameterRebinding]
 ) -> list[list[ParameterRebinding]]:
     by_source: dict[int, ParameterRebinding] = {}
     for rebinding in rebindings:
@@ -230,7 +178,7 @@ def _check_set(rebindings: list[ParameterRebinding], manifest: ShardingManifest)
 
 
 def prepare_finalization(
-    optimizer: OptimizerShell,
+    optimizer: ShellInterface,
     rebindings: object,
     manifest: object,
     binding: object,
@@ -254,7 +202,7 @@ def prepare_finalization(
 
 
 def _staged(
-    optimizer: OptimizerShell,
+    optimizer: ShellInterface,
     per_group: list[list[ParameterRebinding]],
     manifest: ShardingManifest,
     binding: CodebookProcessGroupBinding | None,

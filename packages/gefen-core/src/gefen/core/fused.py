@@ -1,17 +1,10 @@
-"""The in-place update of one parameter, its implementations and their selection (§7.1, §11).
-The compiled implementation lives in ``gefen.core.compiled``, the native one in
-``gefen.core.native``; this module holds the shared vocabulary, the eager reference and the
-registry.
+"""The fused implementations of the in-place update, their registry and their selection (§11).
 
-An *updater* takes one parameter's local tensor, its gradient, its initialized state entry and
-the step's ``StepScalars``, and writes the new codes, scales, second moments, counters and value
-into their own storage. Two kinds exist:
-
-* ``eager_update_``: the normative eager kernels of ``gefen.core.kernels.update`` on one
-  parameter, copied into place (its working set is one parameter's temporaries);
-* the fused implementations registered here, by default ``inductor``: the functions of
-  ``gefen.core.kernels.fused_update`` compiled with ``torch.compile(fullgraph=True)`` and run
-  over chunks of whole blocks, so the extra memory is one chunk's.
+The vocabulary (``StepScalars``, ``Updater``, the eager reference) lives in
+``gefen.core.updaters``; the compiled implementation in ``gefen.core.compiled``, the native one
+in ``gefen.core.native``. By default ``inductor`` runs the functions of
+``gefen.core.kernels.fused_update`` compiled with ``torch.compile(fullgraph=True)`` over chunks
+of whole blocks, so the extra memory is one chunk's; on the CPU the native kernel is tried first.
 
 Selection runs in the local preflight and is cached per optimizer (``KernelSelector``): a
 compile failure with ``fused=True`` raises there, before any mutation and inside the vote;
@@ -21,180 +14,24 @@ compile failure with ``fused=True`` raises there, before any mutation and inside
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import Tensor
 
-from gefen.core.kernels import fused_update as kernels
-from gefen.core.kernels.update import (
-    CodebookMomentum,
-    DenseMomentum,
-    update_block,
-    update_factored,
-)
+from gefen.core.updaters import KernelKey, MomentumAdvancer, Updater
 
 __all__ = [
-    "CHUNK_ELEMENTS",
-    "CodebookTables",
     "FusedImplementation",
-    "KernelKey",
     "KernelSelector",
-    "MomentumAdvancer",
-    "StepScalars",
-    "Updater",
-    "eager_advance_momentum_",
-    "eager_update_",
     "fused_momentum",
     "has_fused_implementation",
-    "hyper_values",
     "register_fused",
     "resolve_default",
-    "stream_value",
 ]
 
 logger = logging.getLogger("gefen.core")
-
-KernelKey = tuple[str, torch.dtype, str, str]
-"""(device type, parameter dtype, codec, family)."""
-
-CHUNK_ELEMENTS = 1 << 18
-"""Elements per fused call: bounds a step's temporaries (about 1 MB) whatever the model."""
-
-
-@dataclass(frozen=True)
-class StepScalars:
-    """What one parameter's update needs besides its tensors (all read in phase 4).
-
-    ``codebook`` is the codebook of codebook8 momentum (None for "none"); ``seed`` is
-    ``(global_step, param_index)`` for stochastic rounding, else None.
-    """
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    codebook: Tensor | None = None
-    seed: tuple[int, int] | None = None
-
-
-Updater = Callable[[Tensor, Tensor, dict[str, Any], StepScalars], None]
-"""``updater(param, grad, entry, scalars)``: one parameter's update, in place."""
-
-
-# -- the eager reference ---------------------------------------------------------------------
-
-
-def _momentum_of(entry: dict[str, Any]) -> CodebookMomentum | DenseMomentum:
-    if "momentum_codes" in entry:
-        return CodebookMomentum(entry["momentum_codes"], entry["momentum_scale"])
-    return DenseMomentum(entry["momentum"])
-
-
-def eager_update_(param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: StepScalars) -> None:
-    """The reference: §6.1/§6.2 by the eager kernels, then every result copied into place."""
-    arguments: dict[str, Any] = {
-        "period": int(entry["period"]),
-        "step": int(entry["step"]),
-        "v_step": int(entry["v_step"]),
-        "lr": scalars.lr,
-        "betas": scalars.betas,
-        "eps": scalars.eps,
-        "weight_decay": scalars.weight_decay,
-        "codebook": scalars.codebook,
-        "seed": scalars.seed,
-    }
-    momentum = _momentum_of(entry)
-    if "v_block" in entry:
-        result: Any = update_block(param, grad, momentum, entry["v_block"], **arguments)
-        entry["v_block"].copy_(result.v_block)
-    else:
-        result = update_factored(param, grad, momentum, entry["v_row"], entry["v_col"], **arguments)
-        entry["v_row"].copy_(result.v_row)
-        entry["v_col"].copy_(result.v_col)
-    if isinstance(result.momentum, CodebookMomentum):
-        entry["momentum_codes"].copy_(result.momentum.codes)
-        entry["momentum_scale"].copy_(result.momentum.scale)
-    else:
-        entry["momentum"].copy_(result.momentum.momentum)
-    if result.param is not None:
-        param.copy_(result.param)
-    entry["step"], entry["v_step"] = result.step, result.v_step
-
-
-# -- the fused implementation ----------------------------------------------------------------
-
-
-def hyper_values(scalars: StepScalars, t: int, tau: int) -> list[float]:
-    """The scalars of ``fused_update`` (``HP_*`` order), computed in float64 as the eager path
-    computes them (each kernel rounds them to fp32 where the eager path does)."""
-    beta1, beta2 = scalars.betas
-    values = [0.0] * kernels.HP_SIZE
-    values[kernels.HP_LR] = scalars.lr
-    values[kernels.HP_ONE_MINUS_BETA1] = 1.0 - beta1
-    values[kernels.HP_BETA2] = beta2
-    values[kernels.HP_ONE_MINUS_BETA2] = 1.0 - beta2
-    values[kernels.HP_SQRT_BC2] = math.sqrt(1.0 - beta2**tau)
-    values[kernels.HP_EPS] = scalars.eps
-    values[kernels.HP_INV_BC1] = 1.0 / (1.0 - beta1**t)
-    values[kernels.HP_DECAY] = 1.0 - scalars.lr * scalars.weight_decay
-    return values
-
-
-def stream_value(seed: tuple[int, int] | None) -> int:
-    """§6.3's stream seed (unsigned 64-bit; 0 without stochastic rounding)."""
-    from gefen.core.kernels.quantize import stream_seed
-
-    return 0 if seed is None else stream_seed(seed)
-
-
-class CodebookTables:
-    """A codebook's count table (in ``table_dtype``) and scan window, cached by the tensor
-    object and its version (the cache holds the tensor, so its identity cannot be reused by
-    another one meanwhile)."""
-
-    def __init__(self, table_dtype: torch.dtype = torch.int64) -> None:
-        self._table_dtype = table_dtype
-        self._codebook: Tensor | None = None
-        self._version = -1
-        self._value: tuple[Tensor, int] = (torch.zeros(0), 1)
-
-    def get(self, codebook: Tensor) -> tuple[Tensor, int]:
-        if codebook is not self._codebook or codebook._version != self._version:
-            table = kernels.count_table(codebook).to(self._table_dtype).contiguous()
-            self._value = (table, kernels.scan_window(codebook))
-            self._codebook, self._version = codebook, codebook._version
-        return self._value
-
-
-MomentumAdvancer = Callable[
-    [Tensor, Tensor, Tensor, Tensor, float, "tuple[int, int] | None"], Tensor
-]
-"""``advance(grad_blocks, codes, scale, codebook, weight, seed)``: codebook8 momentum
-``lerp(decode, grad, weight)`` re-encoded into ``codes``/``scale`` in place; returns the decoded
-stored momentum (fp32, (B, P)). GefenMuon's step 1."""
-
-
-def eager_advance_momentum_(
-    grad: Tensor,
-    codes: Tensor,
-    scale: Tensor,
-    codebook: Tensor,
-    weight: float,
-    seed: tuple[int, int] | None,
-) -> Tensor:
-    """The reference of ``MomentumAdvancer``: decode, lerp, encode, store, decode."""
-    from gefen.core.kernels.blocks import requantized_lerp
-
-    target = grad.to(torch.float32)
-    new_codes, new_scale, stored = requantized_lerp(codes, scale, codebook, target, weight, seed)
-    codes.copy_(new_codes)
-    scale.copy_(new_scale)
-    return stored
 
 
 def fused_momentum(device_type: str) -> MomentumAdvancer:

@@ -21,8 +21,7 @@ from gefen.core.state import (
 from gefen.core.validation import local_tensor, parameter_label
 
 if TYPE_CHECKING:
-    from gefen.core.optimizer import Gefen
-    from gefen.core.shell import OptimizerShell
+    from gefen.core.participant import ShellInterface
 
 __all__ = ["EntryFinisher", "stage_entries", "stage_gefen_entries"]
 
@@ -31,7 +30,7 @@ EntryFinisher = Callable[[EntrySpec, dict[str, Any], str, Any], dict[str, Any]]
 
 
 def stage_entries(
-    optimizer: OptimizerShell,
+    optimizer: ShellInterface,
     saved_state: Mapping[int, Any],
     groups: list[dict[str, Any]],
     finish: EntryFinisher | None = None,
@@ -52,7 +51,7 @@ def stage_entries(
 
 
 def _stage_one(
-    optimizer: OptimizerShell,
+    optimizer: ShellInterface,
     group: Mapping[str, Any],
     param: Any,
     saved: Any,
@@ -62,13 +61,17 @@ def _stage_one(
 ) -> dict[str, Any]:
     if saved is None:
         return {"period": 0}
-    spec = optimizer._entry_spec(group, param)
+    spec = optimizer.entry_spec(group, param)
     variant = validate_entry(saved, where=where, **spec.kwargs())
     if variant == "uninitialized":
         return {"period": saved["period"]}
     if variant.split("_")[0] != prefix:
         raise ValueError(f"{where}: the entry belongs to the other momentum codec ({variant})")
     entry = copy_entry(saved, local_tensor(param).device)
+    if prefix == "q8":
+        # An entry saved before its optimizer recorded these: record them now (they matched).
+        for key, value in spec.recorded_ints.items():
+            entry.setdefault(key, value)
     return entry if finish is None else finish(spec, entry, where, param)
 
 
@@ -86,7 +89,7 @@ def _migrated(spec: EntrySpec, entry: dict[str, Any], where: str, param: Any) ->
 
 
 def stage_gefen_entries(
-    optimizer: Gefen, saved_state: Mapping[int, Any], groups: list[dict[str, Any]]
+    optimizer: ShellInterface, saved_state: Mapping[int, Any], groups: list[dict[str, Any]]
 ) -> dict[int, dict[str, Any]]:
     """Gefen's shadow entries, with family migration."""
     return stage_entries(optimizer, saved_state, groups, _migrated)

@@ -14,13 +14,7 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import OptimizerContract
-from gefen.core.fused import (
-    KernelKey,
-    StepScalars,
-    Updater,
-    eager_update_,
-    has_fused_implementation,
-)
+from gefen.core.fused import has_fused_implementation
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import (
@@ -40,6 +34,7 @@ from gefen.core.state import (
     is_initialized,
     migrate_family,
 )
+from gefen.core.updaters import KernelKey, StepScalars, Updater, eager_update_
 from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 from gefen.dist import GuardedOperation
 
@@ -109,7 +104,7 @@ class Gefen(OptimizerShell):
 
     # -- options ----------------------------------------------------------------------------
 
-    def _validate_group(self, group: Mapping[str, Any]) -> None:
+    def validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
         validate_gefen_options(group)
         if group["fused"] is True:
@@ -129,7 +124,7 @@ class Gefen(OptimizerShell):
         plain_matrix = param.dim() == 2 and not is_dtensor(param)
         return "factored" if plain_matrix and bool(group["factored_v_2d"]) else "block"
 
-    def _entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
+    def entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
         plain_matrix = param.dim() == 2 and not is_dtensor(param)
         matrix = (int(param.shape[0]), int(param.shape[1])) if plain_matrix else None
         return EntrySpec(
@@ -141,9 +136,9 @@ class Gefen(OptimizerShell):
             second_moment=self._family(group, param),
         )
 
-    def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
+    def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
         inputs: list[CodebookInput] = []
-        for index, _, param in self._indexed():
+        for index, _, param in self.indexed_params():
             if param.grad is None:
                 continue
             grad = local_tensor(param.grad)
@@ -151,7 +146,7 @@ class Gefen(OptimizerShell):
                 inputs.append((index, grad, tuple(grad.shape)))
         return inputs
 
-    def _select_period(
+    def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
         force_one = (param.dim() == 1 and bool(group["force_1d_period_one"])) or (
@@ -178,7 +173,7 @@ class Gefen(OptimizerShell):
         )
 
     def _select_kernels(self) -> None:
-        for _, group, param in self._indexed():
+        for _, group, param in self.indexed_params():
             if param.grad is not None and local_tensor(param).numel() > 0:
                 self._kernel(group, param)
 
@@ -188,7 +183,7 @@ class Gefen(OptimizerShell):
         """Phase 4: which parameters update, with what scalars; reads only (tensor lrs once per
         group). The plan holds no tensor proportional to the model."""
         plan: list[_PlannedUpdate] = []
-        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
+        stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
         index = -1
         for group_index, group in enumerate(self.param_groups):
             # Read lazily so a group with nothing to update never syncs on its tensor lr; the
@@ -231,9 +226,11 @@ class Gefen(OptimizerShell):
             and all(value.device == device for value in entry.values() if isinstance(value, Tensor))
         ):
             return entry  # the usual case: nothing to allocate, migrate or move
-        spec = self._entry_spec(group, param)
+        spec = self.entry_spec(group, param)
         if not is_initialized(entry):
-            fresh = allocate_entry(spec, planned.period, codebook8=self._codebook8, device=device)
+            fresh = allocate_entry(
+                spec, planned.period, codebook8=self.uses_codebook, device=device
+            )
         elif entry_family(entry) != spec.second_moment:
             warnings.warn(
                 f"Gefen: parameter {parameter_label(group, *planned.position)} switches"
@@ -261,7 +258,7 @@ class Gefen(OptimizerShell):
             entry = self._live_entry(planned)
             local = local_tensor(planned.param)
             scalars = planned.scalars
-            if self._codebook8:
+            if self.uses_codebook:
                 assert self._codebook is not None
                 device = local.device
                 key = (id(scalars), device)
@@ -286,7 +283,7 @@ class Gefen(OptimizerShell):
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _stage_entries(
+    def stage_entries(
         self,
         saved_state: Mapping[int, Any],
         groups: list[dict[str, Any]],

@@ -85,6 +85,7 @@ def check_betas(betas: object) -> tuple[float, float]:
 
 
 def check_flag(name: str, value: object) -> None:
+    """Option ``name`` must be a bool (not an int, not a tensor)."""
     if type(value) is not bool:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 

@@ -26,14 +26,15 @@ from gefen.dist.codebook_scope import (
     CONTRIBUTION_LAYOUT_CODES,
     check_contribution_records,
     codebook_fingerprint_of,
+    codebook_header_payload,
     fingerprint_words,
 )
 
 if TYPE_CHECKING:
-    from gefen.core.finalization import Finalized
-    from gefen.core.shell import OptimizerShell
+    from gefen.core.participant import ShellInterface
+    from gefen.core.sharded_layout import Finalized
 
-__all__ = ["scoped_learn", "scoped_refresh_table"]
+__all__ = ["scope_header_payload", "scoped_learn", "scoped_refresh_table"]
 
 _Local = tuple[list[int], Tensor, dict[int, int]]
 
@@ -49,10 +50,10 @@ def _contributes(shard: ShardIdentity, tensor: Tensor | None, coordinate: int) -
 
 
 def _local_contributions(
-    optimizer: OptimizerShell, finalized: Finalized, *, stage_periods: bool
+    optimizer: ShellInterface, finalized: Finalized, *, stage_periods: bool
 ) -> _Local:
     """Records, local histogram and staged periods over the local shards in canonical order."""
-    index_of = {id(param): (index, group) for index, group, param in optimizer._indexed()}
+    index_of = {id(param): (index, group) for index, group, param in optimizer.indexed_params()}
     binding = finalized.binding
     coordinate = 0 if binding is None else binding.coordinate
     records: list[int] = []
@@ -69,7 +70,7 @@ def _local_contributions(
             if active and period == 0 and stage_periods:
                 assert grad is not None
                 view = grad.detach()
-                period = optimizer._select_period(group, tensor, view, tuple(view.shape)) or 0
+                period = optimizer.select_new_period(group, tensor, view, tuple(view.shape)) or 0
                 periods[index] = period
             if active and period > 0 and _contributes(shard, tensor, coordinate):
                 assert grad is not None
@@ -88,11 +89,11 @@ def _device(finalized: Finalized) -> torch.device:
 
 
 def scoped_learn(
-    optimizer: OptimizerShell, op: GuardedOperation, *, stage_periods: bool
+    optimizer: ShellInterface, op: GuardedOperation, *, stage_periods: bool
 ) -> StagedLearning | None:
     """§9.4 step 5 a–e (and §9.5 step 4): a candidate codebook agreed by every member, with
     the staged periods; None when the summed histogram is empty."""
-    finalized = optimizer._finalized
+    finalized = optimizer.finalized
     assert finalized is not None
     records, counts, periods = op.local(
         PHASE_LOCAL_HISTOGRAM_PREPARATION,
@@ -111,13 +112,13 @@ def scoped_learn(
     return StagedLearning(periods=periods, codebook=candidate)
 
 
-def _staged_table(optimizer: OptimizerShell, new_codebook: Tensor) -> Tensor:
+def _staged_table(optimizer: ShellInterface, new_codebook: Tensor) -> Tensor:
     assert optimizer.codebook is not None
     return remap_table(optimizer.codebook, new_codebook)
 
 
 def scoped_refresh_table(
-    optimizer: OptimizerShell, op: GuardedOperation, new_codebook: Tensor
+    optimizer: ShellInterface, op: GuardedOperation, new_codebook: Tensor
 ) -> Tensor:
     """§9.5 step 5: the table rule's 256-entry remap table, staged in a voted local phase (the
     commit applies it to every local quantized momentum in place)."""
@@ -125,3 +126,24 @@ def scoped_refresh_table(
         PHASE_MOMENTUM_REQUANTIZATION_STAGING, _staged_table, optimizer, new_codebook
     )
     return staged
+
+
+def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
+    """The step header's payload words (50-dist.md §9.2); None while no binding is installed."""
+    finalized = optimizer.finalized
+    if optimizer.binding is None or finalized is None:
+        return None
+    codebook = optimizer.codebook
+    digest = None if codebook is None else codebook_fingerprint_of(codebook)
+    return list(
+        codebook_header_payload(
+            global_step=optimizer.global_step,
+            codebook_present=codebook is not None,
+            deterministic=bool(optimizer.defaults["deterministic"]),
+            refresh_every=int(optimizer.defaults.get("codebook_refresh_every", 0)),
+            local_shard_count=len(finalized.shards),
+            scope_fingerprint=finalized.scope_fingerprint,
+            manifest_fingerprint=finalized.manifest_fingerprint,
+            codebook_fingerprint=digest,
+        )
+    )

@@ -10,6 +10,7 @@ composite drives the public members ``step_failure_scope``, ``validate_step_inpu
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -20,21 +21,22 @@ from torch.optim import Optimizer
 from gefen.contracts import ParameterLayout, ShardingManifest
 from gefen.core import codebook_ops
 from gefen.core.checked import entry_signature, options_token
-from gefen.core.checkpoint import PreparedLoad, build_state_dict, prepare_load
-from gefen.core.finalization import (
-    Finalized,
-    ParameterRebinding,
-    PreparedFinalization,
-    prepare_finalization,
+from gefen.core.checkpoint import (
+    PreparedLoad,
+    build_state_dict,
+    check_checkpoint_binding,
+    prepare_load,
 )
+from gefen.core.finalization import PreparedFinalization, prepare_finalization
 from gefen.core.fused import KernelSelector
 from gefen.core.groups import check_membership, normalised_group
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide
+from gefen.core.scoped import scope_header_payload
+from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.state import CodecKeys, EntrySpec, entry_matches, is_initialized
 from gefen.core.transaction import (
-    HOOK_DICTS,
     STEP_SIGNATURE,
     HookedStepState,
     run_load,
@@ -48,9 +50,7 @@ from gefen.core.validation import (
     validate_gradient_structure,
 )
 from gefen.dist import (
-    BindingError,
     Channel,
-    CheckpointProcessGroupBinding,
     CodebookProcessGroupBinding,
     GuardedOperation,
     ProcessGroupBinding,
@@ -59,9 +59,8 @@ from gefen.dist import (
 from gefen.dist.codebook_scope import (
     HEADER_WORD_NAMES,
     OP_STEP,
-    codebook_fingerprint_of,
-    codebook_header_payload,
 )
+from gefen.dist.torch_internals import HOOK_REGISTRIES, state_dict_with_hooks
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 
@@ -87,7 +86,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         "_commit_failed",
         "_binding",
         "_finalized",
-        *HOOK_DICTS,
+        *HOOK_REGISTRIES,
     )
     # The layouts post_sharding accepts (10-core.md §13); GefenMuon overrides.
     POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
@@ -111,7 +110,7 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     # -- extension points (10-core.md §1.1) -------------------------------------------------
 
-    def _validate_group(self, group: Mapping[str, Any]) -> None:
+    def validate_group(self, group: Mapping[str, Any]) -> None:
         """Option checks of one group (§2.2); raise on the first failing rule."""
 
     def _check_local_inputs(self) -> None:
@@ -130,7 +129,7 @@ class OptimizerShell(HookedStepState, Optimizer):
                     continue
                 signature = entry_signature(group, param, entry)
                 if previous.get(id(param)) != signature:
-                    reason = entry_matches(entry, self._entry_spec(group, param))
+                    reason = entry_matches(entry, self.entry_spec(group, param))
                     if reason is not None:
                         label = parameter_label(group, group_index, position)
                         raise RuntimeError(
@@ -139,11 +138,11 @@ class OptimizerShell(HookedStepState, Optimizer):
                 matched[id(param)] = signature
         self._matched_entries = matched
 
-    def _checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    def checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         """Optional extras keys of this optimizer, from the entries ``state_dict`` emits."""
         return {}
 
-    def _rank_local_checkpoint(self) -> bool:
+    def rank_local_checkpoint(self) -> bool:
         """Whether checkpoints are rank-local (carry ``"rank_local"``, 50-dist.md §10.3)."""
         return "rank_local" in self.OPTIONAL_EXTRAS and len(self.step_failure_scope()) > 0
 
@@ -151,18 +150,18 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Registration-only rules for a normalised new group (GefenMuon: 2-D parameters, no
         mixed sharded modes); the step preflight does not repeat them."""
 
-    def _select_period(
+    def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
         """The period of a parameter seen for the first time (§4); Gefen decides ``force_one``."""
         return select_period(view, shape, force_one=False)
 
-    def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
+    def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
         """Per parameter with a non-empty gradient: (flat index, the gradient view the codebook
         and period are learned from, its quantized shape). May be collective (GefenMuon)."""
         raise NotImplementedError
 
-    def _entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
+    def entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
         """The ``validate_entry`` keyword arguments for ``param`` in ``group``."""
         raise NotImplementedError
 
@@ -182,9 +181,9 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Kernel selection of the local preflight (§11); the default has nothing to select."""
 
     def _build_state_entries(self, operation: GuardedOperation) -> dict[int, dict[str, Any]]:
-        return {index: dict(self.state[param]) for index, _, param in self._indexed()}
+        return {index: dict(self.state[param]) for index, _, param in self.indexed_params()}
 
-    def _stage_entries(
+    def stage_entries(
         self,
         saved_state: Mapping[int, Any],
         groups: list[dict[str, Any]],
@@ -196,7 +195,7 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     # -- groups and names (§2.3) ------------------------------------------------------------
 
-    def _indexed(self) -> list[tuple[int, dict[str, Any], Tensor]]:
+    def indexed_params(self) -> list[tuple[int, dict[str, Any], Tensor]]:
         """(flat index, group, parameter) in group order, then parameter order."""
         flat = ((group, param) for group in self.param_groups for param in group["params"])
         return [(index, group, param) for index, (group, param) in enumerate(flat)]
@@ -213,7 +212,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         candidate = normalised_group(param_group, self.defaults)
         check_membership(candidate, self.param_groups)
         self._validate_registration(candidate)
-        self._validate_group(candidate)
+        self.validate_group(candidate)
         # Publish: the caller's dict itself becomes the group, as in torch.
         param_group.update(candidate)
         self.param_groups.append(param_group)
@@ -230,18 +229,18 @@ class OptimizerShell(HookedStepState, Optimizer):
             return self._binding.failure_scope()
         return collect_failure_scope(self.param_groups)
 
-    def _operation(self) -> GuardedOperation:
+    def guarded_operation(self) -> GuardedOperation:
         if self._binding is not None:
             return GuardedOperation(self.OWNER_NAME, binding_getter=lambda: self._binding)
         return GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
 
-    def _check_latch(self) -> None:
+    def check_latch(self) -> None:
         if self._commit_failed:
             raise RuntimeError(f"{self.OWNER_NAME}: {_LATCHED}")
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels."""
-        self._check_latch()
+        self.check_latch()
         self._check_finalized_layout()
         self._validate_changed_groups()
         validate_gradient_structure(
@@ -261,31 +260,15 @@ class OptimizerShell(HookedStepState, Optimizer):
             token = options_token(group)
             seen = previous.get(id(group))
             if seen is None or seen[0] is not group or seen[1] != token:
-                self._validate_group(group)
+                self.validate_group(group)
             passed[id(group)] = (group, token)
         self._validated_options = passed
 
     def step_header_payload(self) -> list[int] | None:
         """The payload words of 50-dist.md §9.2; None while no binding is installed."""
-        finalized = self._finalized
-        if self._binding is None or finalized is None:
-            return None
-        codebook = self._codebook
-        digest = None if codebook is None else codebook_fingerprint_of(codebook)
-        return list(
-            codebook_header_payload(
-                global_step=self._global_step,
-                codebook_present=codebook is not None,
-                deterministic=bool(self.defaults["deterministic"]),
-                refresh_every=int(self.defaults.get("codebook_refresh_every", 0)),
-                local_shard_count=len(finalized.shards),
-                scope_fingerprint=finalized.scope_fingerprint,
-                manifest_fingerprint=finalized.manifest_fingerprint,
-                codebook_fingerprint=digest,
-            )
-        )
+        return scope_header_payload(self)
 
-    def _exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
+    def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
         """Scoped: the step's operation header (50-dist.md §9.3 step 3)."""
         if op.binding is not None and payload is not None:
             op.header(OP_STEP, payload, HEADER_WORD_NAMES)
@@ -327,12 +310,31 @@ class OptimizerShell(HookedStepState, Optimizer):
         """The post-sharding layout, or None before ``post_sharding``."""
         return self._finalized
 
+    @property
+    def binding(self) -> ProcessGroupBinding | None:
+        """The codebook binding ``post_sharding`` installed, or None."""
+        return self._binding
+
+    def publish_finalization(self, finalized: Finalized, groups: list[Any]) -> None:
+        """``post_sharding``'s publication: each group's new (params, names), pristine
+        placeholders, then the layout and its binding. Assignment only."""
+        state: dict[Tensor, Any] = {}
+        for group, (params, names) in zip(self.param_groups, groups, strict=True):
+            group["params"] = params
+            group["param_names"] = names
+            for param in params:
+                state[param] = {"period": 0}
+        self.state.clear()
+        self.state.update(state)
+        self._binding = finalized.binding
+        self._finalized = finalized
+
     def check_step_agreement(self) -> None:
         """Symmetric agreement checks after the vote: none for Gefen."""
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
         """Phases 4–5 only: stage (collectives allowed), then commit; a commit failure latches."""
-        op = operation if operation is not None else self._operation()
+        op = operation if operation is not None else self.guarded_operation()
         with torch.no_grad():
             learning = self._stage_step_learning(op)
             if learning.noop:
@@ -355,7 +357,7 @@ class OptimizerShell(HookedStepState, Optimizer):
     # -- codebook learning and refresh (§5.5, §5.6; scoped: 50-dist.md §9.3–§9.5) ------------
 
     @property
-    def _codebook8(self) -> bool:
+    def uses_codebook(self) -> bool:
         return bool(self.defaults.get("momentum_codec", "codebook8") == "codebook8")
 
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
@@ -363,23 +365,29 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
         """Phase 5: publish, update, count. Any failure latches (§7.4)."""
+        self.publish_learning(learning)
         try:
-            codebook_ops.publish(self, learning)
             self._commit_step(plan)
             self._global_step += 1
         except BaseException:
             self._commit_failed = True
             raise
 
-    def _publish_only(self, learning: StagedLearning) -> None:
+    def publish_learning(self, learning: StagedLearning) -> None:
+        """Write what codebook learning staged (periods, remapped codes, the codebook); the
+        publication step of a step, an ``initialize_codebook`` or a ``refresh_codebook``. A
+        failure part-way latches."""
         try:
             codebook_ops.publish(self, learning)
+            if learning.codebook is not None:
+                self._codebook = learning.codebook
         except BaseException:
             self._commit_failed = True
             raise
 
-    def _preamble_checks(self) -> list[int] | None:
-        self._check_latch()
+    def initialize_preamble(self) -> list[int] | None:
+        """The rank-local checks ``initialize_codebook`` votes on; the header payload."""
+        self.check_latch()
         self._check_finalized_layout()
         validate_gradient_structure(
             self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
@@ -393,10 +401,11 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Learn the codebook from the current gradients without stepping (§2.4, §5.5)."""
         return codebook_ops.initialize(self)
 
-    def _refresh_preamble(self) -> list[int] | None:
-        self._check_latch()
+    def refresh_preamble(self) -> list[int] | None:
+        """The rank-local checks ``refresh_codebook`` votes on; the header payload."""
+        self.check_latch()
         self._check_finalized_layout()
-        if not self._codebook8 or self._codebook is None:
+        if not self.uses_codebook or self._codebook is None:
             raise RuntimeError("refresh_codebook: no codebook has been learned")
         validate_gradient_structure(
             self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
@@ -424,6 +433,11 @@ class OptimizerShell(HookedStepState, Optimizer):
         return self._global_step
 
     @property
+    def latched(self) -> bool:
+        """Whether a commit failed part-way; only a successful load clears it."""
+        return self._commit_failed
+
+    @property
     def codebook(self) -> Tensor | None:
         """The learned fp32 codebook of 256 values, or None."""
         return self._codebook
@@ -432,43 +446,33 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._check_finalized_layout()
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        result = build_state_dict(self, self._build_state_entries(self._operation()))
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            replaced = post_hook(self, result)
-            if replaced is not None:
-                result = replaced
-        return result
+        return state_dict_with_hooks(  # type: ignore[no-any-return]
+            self,
+            lambda: build_state_dict(self, self._build_state_entries(self.guarded_operation())),
+        )
 
     def prepare_load_state_dict(self, sd: Mapping[str, Any]) -> PreparedLoad:
         """Stage and validate a load on shadow objects; mutates nothing (§8.2)."""
         self._check_finalized_layout()
         return prepare_load(self, sd)
 
+    def publish_load(
+        self,
+        state: defaultdict[Tensor, Any],
+        param_groups: list[dict[str, Any]],
+        global_step: int,
+        codebook: Tensor | None,
+    ) -> None:
+        """The load transaction's publication (assignment only); clears the latch."""
+        self.state = state
+        self.param_groups = param_groups
+        self._global_step = global_step
+        self._codebook = codebook
+        self._commit_failed = False
+
     def _check_checkpoint_binding(self, checkpoint_binding: object) -> None:
-        """A ``checkpoint_binding`` must match the installed codebook binding exactly, same
-        handle object (50-dist.md §7, §8.2 step 5)."""
-        if checkpoint_binding is None:
-            return
-        if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
-            raise TypeError(
-                "checkpoint_binding must be a CheckpointProcessGroupBinding, got "
-                f"{type(checkpoint_binding).__name__}"
-            )
-        installed = self._binding
-        if installed is None:
-            raise BindingError("no codebook binding is installed")
-        if (
-            checkpoint_binding.process_group is not installed.process_group
-            or checkpoint_binding.identity != installed.identity
-            or checkpoint_binding.local_member != installed.local_member
-            or checkpoint_binding.collective_device != installed.collective_device
-        ):
-            raise BindingError(
-                "checkpoint_binding does not match the installed codebook binding (same "
-                "identity, member, device and process-group handle object required)"
-            )
+        """Gefen: it must match the installed codebook binding; GefenMuon overrides."""
+        check_checkpoint_binding(checkpoint_binding, self._binding)
 
     def _checked_prepare(self, sd: Mapping[str, Any], checkpoint_binding: object) -> PreparedLoad:
         self._check_checkpoint_binding(checkpoint_binding)

@@ -90,6 +90,9 @@ class EntrySpec:
     ``second_moment`` is the family the parameter's group selects now (None: no second moment).
     ``extra_pairs`` declares optional further keys: a floating dtype means a tensor of that
     shape and dtype, finite and >= 0; an integer dtype means a Python int >= 0.
+    ``recorded_ints`` are Python ints a new codebook8 entry records about its parameter (GefenMuon:
+    ``matrix_cols``, since (B, P) codes alone cannot tell a (16, 8) matrix from an (8, 16) one);
+    a saved entry may lack one (written before it was recorded), but one it holds must match.
     """
 
     numel: int
@@ -99,6 +102,7 @@ class EntrySpec:
     dense_shape: tuple[int, ...] | None
     second_moment: Family | None
     extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    recorded_ints: Mapping[str, int] = field(default_factory=dict)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``validate_entry`` (everything but ``entry`` and ``where``)."""
@@ -110,6 +114,7 @@ class EntrySpec:
             "dense_shape": self.dense_shape,
             "second_moment": self.second_moment,
             "extra_pairs": self.extra_pairs,
+            "recorded_ints": self.recorded_ints,
         }
 
 
@@ -190,6 +195,7 @@ def _check_period(check: _EntryCheck, entry: Mapping[str, Any]) -> int:
 def _allowed_keys(spec: EntrySpec) -> set[str]:
     keys = {"period", "step", spec.codec_keys.codes, spec.codec_keys.scale, spec.codec_keys.dense}
     keys.update(spec.extra_pairs)
+    keys.update(spec.recorded_ints)
     if spec.second_moment is not None:
         keys.update({"v_step", "v_block", "v_row", "v_col"})
     return keys
@@ -272,6 +278,9 @@ def _check_extras(check: _EntryCheck, entry: Mapping[str, Any]) -> None:
         elif not _is_exact_int(value) or value < 0:
             # A counter is a Python int, as 'step' is (never a tensor: DCP flattens tensors).
             check.fail(f"'{key}' must be an int >= 0, got {value!r}")
+    for key, expected in check.spec.recorded_ints.items():
+        if key in entry and not (_is_exact_int(entry[key]) and entry[key] == expected):
+            check.mismatch(f"'{key}' is {entry[key]!r}, the parameter needs {expected}")
 
 
 def _validate(entry: object, where: str, spec: EntrySpec, values: bool) -> str:
@@ -311,6 +320,7 @@ def validate_entry(
     dense_shape: tuple[int, ...] | None,
     second_moment: Family | None,
     extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    recorded_ints: Mapping[str, int] | None = None,
 ) -> str:
     """The one entry validator (10-core.md §8.3); returns the matched variant name.
 
@@ -323,7 +333,7 @@ def validate_entry(
     """
     spec = EntrySpec(
         numel, matrix_shape, codec_keys, dense_dtype, dense_shape, second_moment,
-        dict(extra_pairs or {}),
+        dict(extra_pairs or {}), dict(recorded_ints or {}),
     )  # fmt: skip
     return _validate(entry, where, spec, values=True)
 
@@ -369,6 +379,7 @@ def allocate_entry(
     if codebook8:
         entry[keys.codes] = torch.zeros(blocks, period, dtype=torch.uint8, device=device)
         entry[keys.scale] = torch.zeros(blocks, 1, dtype=torch.float32, device=device)
+        entry.update(spec.recorded_ints)
     else:
         shape = spec.dense_shape if spec.dense_shape is not None else (blocks, period)
         entry[keys.dense] = torch.zeros(shape, dtype=spec.dense_dtype, device=device)

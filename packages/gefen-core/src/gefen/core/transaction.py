@@ -12,13 +12,10 @@ templates never touch a private flag of anything else.
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from itertools import chain
 from typing import Any, ClassVar, Protocol
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 from gefen.dist import (
     PHASE_LOAD_VALIDATION,
@@ -26,9 +23,14 @@ from gefen.dist import (
     GuardedOperation,
     prepare_synchronized_amp_step,
 )
+from gefen.dist.torch_internals import (
+    HOOK_REGISTRIES,
+    fresh_hook_registries,
+    step_post_hooks,
+    step_pre_hooks,
+)
 
 __all__ = [
-    "HOOK_DICTS",
     "STEP_SIGNATURE",
     "HookedStepState",
     "LoadParticipant",
@@ -41,17 +43,6 @@ __all__ = [
 ]
 
 
-HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
-"""The hook registries torch's ``register_*`` methods use, as instance attributes."""
-
-
 class HookedStepState:
     """Mixin for optimizers whose ``step`` fires the hooks itself (10-core.md §2.4).
 
@@ -60,7 +51,7 @@ class HookedStepState:
     wrapper an LR scheduler installed, which would step the original from a copy).
     """
 
-    _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = HOOK_DICTS
+    _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = HOOK_REGISTRIES
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,8 +69,7 @@ class HookedStepState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        for name in HOOK_DICTS:
-            self.__dict__.setdefault(name, OrderedDict())
+        fresh_hook_registries(self, keep_existing=True)
         self._restore_derived()
 
 
@@ -87,14 +77,12 @@ class StepParticipant(Protocol):
     """What ``run_step`` needs of an optimizer (the public composite members of §1.1)."""
 
     OWNER_NAME: ClassVar[str]
-    _optimizer_step_pre_hooks: Any
-    _optimizer_step_post_hooks: Any
 
-    def _operation(self) -> GuardedOperation: ...
-    def _check_latch(self) -> None: ...
+    def guarded_operation(self) -> GuardedOperation: ...
+    def check_latch(self) -> None: ...
     def validate_step_inputs(self, *, amp_present: bool) -> None: ...
     def step_header_payload(self) -> Any: ...
-    def _exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
+    def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
     def check_step_agreement(self) -> None: ...
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
 
@@ -106,7 +94,7 @@ class PreparedLoadLike(Protocol):
 
 
 class LoadParticipant(Protocol):
-    def _operation(self) -> GuardedOperation: ...
+    def guarded_operation(self) -> GuardedOperation: ...
 
 
 def amp_controls_present(optimizer: object) -> bool:
@@ -117,11 +105,7 @@ def amp_controls_present(optimizer: object) -> bool:
 def _run_pre_hooks(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    hooks = chain(
-        torch_optimizer._global_optimizer_pre_hooks.values(),
-        optimizer._optimizer_step_pre_hooks.values(),
-    )
-    for hook in hooks:
+    for hook in step_pre_hooks(optimizer):
         result = hook(optimizer, args, kwargs)
         if result is not None:
             if not (isinstance(result, tuple) and len(result) == 2):
@@ -137,7 +121,7 @@ def _local_preflight(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]:
     """Phase 1: latch, pre-hooks, the closure once, every rank-local check, the header payload."""
-    optimizer._check_latch()
+    optimizer.check_latch()
     args, kwargs = _run_pre_hooks(optimizer, args, kwargs)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     loss = None
@@ -151,11 +135,7 @@ def _local_preflight(
 def _run_post_hooks(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    hooks = chain(
-        optimizer._optimizer_step_post_hooks.values(),
-        torch_optimizer._global_optimizer_post_hooks.values(),
-    )
-    for hook in hooks:
+    for hook in step_post_hooks(optimizer):
         hook(optimizer, args, kwargs)
 
 
@@ -189,13 +169,13 @@ def run_step(
     silently stop training. It runs eagerly there (one graph break) and runs its own compiled
     kernels."""
     STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
-    op = optimizer._operation()
+    op = optimizer.guarded_operation()
     args: tuple[Any, ...] = (optimizer, *call_args)
     kwargs: dict[str, Any] = dict(call_kwargs)
     loss, args, kwargs, payload = op.local(
         PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs
     )
-    optimizer._exchange_step_headers(op, payload)
+    optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
     try:
         with torch.no_grad():
@@ -214,7 +194,7 @@ def run_load(
     prepare: Callable[[], PreparedLoadLike],
 ) -> None:
     """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
-    op = optimizer._operation()
+    op = optimizer.guarded_operation()
     prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
     prepared.agree(op)
     prepared.commit()

@@ -53,6 +53,8 @@ _PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
 
 
 def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor (checked by type name, so torch.distributed need not
+    import)."""
     if type(tensor) in _PLAIN_TYPES:
         return False
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")

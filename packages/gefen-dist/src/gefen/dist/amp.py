@@ -18,6 +18,7 @@ import torch
 from gefen.dist.errors import GroupAgreementError
 from gefen.dist.runtime import collective
 from gefen.dist.scope import Channel
+from gefen.dist.torch_internals import foreach_mul_
 from gefen.dist.vote import (
     PHASE_AMP_CONTROL_PREFLIGHT,
     PHASE_AMP_PREPARATION,
@@ -115,7 +116,7 @@ def _unscale_gradients(optimizer: Any, scale: float) -> None:
             buckets.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
         for (device, _), grads in buckets.items():
-            torch._foreach_mul_(grads, inverse.to(device))
+            foreach_mul_(grads, inverse.to(device))
 
 
 @collective

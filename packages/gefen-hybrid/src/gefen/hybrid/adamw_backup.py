@@ -8,7 +8,7 @@ the live AdamW is only touched by the final, non-throwing swap.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.transaction import HOOK_DICTS, copy_containers
+from gefen.core.extension import copy_containers
+from gefen.dist.torch_internals import (
+    copy_with_load_pre_hooks,
+    fresh_hook_registries,
+    run_load_post_hooks,
+)
 from gefen.hybrid.adamw_preflight import check_adamw_options
 
 __all__ = ["PreparedAdamWLoad", "prepare_adamw_load"]
@@ -34,13 +39,15 @@ class PreparedAdamWLoad:
     state: Any
     param_groups: list[dict[str, Any]]
 
+    def agree(self, operation: object) -> None:
+        """Nothing to agree on: an AdamW backup's state is rank-local."""
+
     def commit(self) -> None:
         self.backup.state = self.state
         self.backup.param_groups = self.param_groups
 
     def run_post_hooks(self) -> None:
-        for hook in self.backup._optimizer_load_state_dict_post_hooks.values():
-            hook(self.backup)
+        run_load_post_hooks(self.backup)
 
 
 def _check_step(where: str, step: object) -> None:
@@ -114,18 +121,13 @@ def _shadow(backup: torch.optim.Optimizer) -> torch.optim.Optimizer:
     shadow.defaults = dict(backup.defaults)
     shadow.state = defaultdict(dict)
     shadow.param_groups = [dict(group) for group in backup.param_groups]
-    for name in HOOK_DICTS:
-        setattr(shadow, name, OrderedDict())
+    fresh_hook_registries(shadow)
     return shadow
 
 
 def prepare_adamw_load(backup: torch.optim.Optimizer, sd: Any) -> PreparedAdamWLoad:
     """Copy, run the backup's load pre-hooks on the copy, validate, load into a shadow."""
-    copied = copy_containers(sd)
-    for hook in backup._optimizer_load_state_dict_pre_hooks.values():
-        replaced = hook(backup, copied)
-        if replaced is not None:
-            copied = replaced
+    copied = copy_with_load_pre_hooks(backup, copy_containers(sd))
     _validate(backup, copied)
     shadow = _shadow(backup)
     torch.optim.Optimizer.load_state_dict(shadow, copied)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.validation import local_tensor
+from gefen.core.extension import local_tensor
 
 __all__ = ["check_adamw_backup", "check_adamw_options"]
 

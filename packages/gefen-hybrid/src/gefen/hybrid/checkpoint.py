@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gefen.core.shell import PreparedLoad
-from gefen.core.transaction import copy_containers
+from gefen.core.extension import copy_containers
 from gefen.dist import GuardedOperation
-from gefen.hybrid.adamw_backup import PreparedAdamWLoad, prepare_adamw_load
+from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_hooks
+from gefen.hybrid.adamw_participant import PreparedChildLoad
 
 if TYPE_CHECKING:
     from gefen.hybrid.optimizer import GefenMuonHybrid
@@ -43,26 +43,22 @@ class PreparedHybridLoad:
     """Both children's staged loads; ``commit`` cannot fail."""
 
     hybrid: GefenMuonHybrid
-    muon: PreparedLoad | None
-    backup: PreparedLoad | PreparedAdamWLoad | None
+    muon: PreparedChildLoad | None
+    backup: PreparedChildLoad | None
 
     def agree(self, operation: GuardedOperation) -> None:
         for prepared in (self.muon, self.backup):
-            if isinstance(prepared, PreparedLoad):
+            if prepared is not None:
                 prepared.agree(operation)
 
     def commit(self) -> None:
-        for prepared in (self.muon, self.backup):
-            if prepared is not None:
-                prepared.commit()
-        self.hybrid._commit_failed = False
+        self.hybrid.publish_load(self)
 
     def run_post_hooks(self) -> None:
         for prepared in (self.muon, self.backup):
             if prepared is not None:
                 prepared.run_post_hooks()
-        for hook in self.hybrid._optimizer_load_state_dict_post_hooks.values():
-            hook(self.hybrid)
+        run_load_post_hooks(self.hybrid)
 
 
 def _check_halves(hybrid: GefenMuonHybrid, sd: Mapping[str, Any]) -> None:
@@ -86,20 +82,13 @@ def _check_halves(hybrid: GefenMuonHybrid, sd: Mapping[str, Any]) -> None:
 
 def prepare_hybrid_load(hybrid: GefenMuonHybrid, state_dict: Any) -> PreparedHybridLoad:
     """Steps 1–5 of §8: nothing of the hybrid, its children or the caller's dict changes."""
-    hybrid._check_layout()
-    copied = copy_containers(state_dict)
-    for hook in hybrid._optimizer_load_state_dict_pre_hooks.values():
-        replaced = hook(hybrid, copied)
-        if replaced is not None:
-            copied = replaced
+    hybrid.check_layout()
+    copied = copy_with_load_pre_hooks(hybrid, copy_containers(state_dict))
     if not isinstance(copied, Mapping) or ("muon" not in copied and "backup" not in copied):
         raise ValueError(_SCHEMA)
     _check_halves(hybrid, copied)
-    muon = None if hybrid.muon is None else hybrid.muon.prepare_load_state_dict(copied["muon"])
-    backup: PreparedLoad | PreparedAdamWLoad | None = None
-    if hybrid.backup is not None:
-        if hybrid.backup_optimizer == "adamw":
-            backup = prepare_adamw_load(hybrid.backup, copied["backup"])
-        else:
-            backup = hybrid.backup.prepare_load_state_dict(copied["backup"])  # type: ignore[attr-defined]
-    return PreparedHybridLoad(hybrid, muon, backup)
+    staged = {
+        role: participant.prepare_load_state_dict(copied[role])
+        for role, participant in hybrid.participants
+    }
+    return PreparedHybridLoad(hybrid, staged.get("muon"), staged.get("backup"))

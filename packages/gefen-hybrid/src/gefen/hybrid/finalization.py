@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 from gefen.contracts import ShardingManifest
 from gefen.core import ParameterRebinding
-from gefen.core.finalization import PreparedFinalization
-from gefen.core.shell import OptimizerShell
+from gefen.core.extension import OptimizerShell, PreparedFinalization
 from gefen.dist import CodebookProcessGroupBinding, ProcessGroupBinding
 
 if TYPE_CHECKING:
@@ -24,7 +23,7 @@ __all__ = ["children_binding", "forward_post_sharding"]
 
 def children_binding(hybrid: GefenMuonHybrid) -> ProcessGroupBinding | None:
     """The one binding every Gefen-backed child carries, or None; different ones → error."""
-    bindings = {id(child._binding): child._binding for child in hybrid._gefen_children()}
+    bindings = {id(child.binding): child.binding for _, child in hybrid.participants}
     if len(bindings) > 1:
         raise RuntimeError("GefenMuonHybrid children carry different codebook bindings")
     return next(iter(bindings.values()), None)
@@ -44,11 +43,11 @@ def forward_post_sharding(
         )
     if type(manifest) is not ShardingManifest:
         raise TypeError(f"manifest must be a ShardingManifest, got {type(manifest).__name__}")
-    per_child: dict[int, list[ParameterRebinding]] = {id(c): [] for c in hybrid._children}
+    per_child: dict[int, list[ParameterRebinding]] = {id(c): [] for c in hybrid.children}
     for rebinding in rebindings:
         if type(rebinding) is not ParameterRebinding:
             raise TypeError("rebindings must hold ParameterRebinding records")
-        owner = hybrid._owner_of(rebinding.old_parameter)
+        owner = hybrid.owner_of(rebinding.old_parameter)
         if owner is None:
             raise ValueError(
                 f"post_sharding: {rebinding.shard.parameter.fqn}: the source is not a parameter "
@@ -56,7 +55,7 @@ def forward_post_sharding(
             )
         per_child[id(owner)].append(rebinding)
     prepared: list[PreparedFinalization] = []
-    for child in hybrid._children:
+    for child in hybrid.children:
         assert isinstance(child, OptimizerShell)
         mine = per_child[id(child)]
         fqns = {r.shard.parameter.fqn for r in mine}
@@ -67,4 +66,4 @@ def forward_post_sharding(
         )
     for finalization in prepared:
         finalization.commit()
-    hybrid._rebuild_registry()
+    hybrid.rebuild_registry()

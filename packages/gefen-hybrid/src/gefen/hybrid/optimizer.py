@@ -8,29 +8,23 @@ scope, one AMP decision, then each child's prepared phases 4–5.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from gefen.contracts import OptimizerContract, ShardingManifest
-from gefen.core import Gefen, ParameterRebinding
-from gefen.core.shell import OptimizerShell
-from gefen.core.transaction import (
-    HOOK_DICTS,
+from gefen.core import ParameterRebinding
+from gefen.core.extension import (
     STEP_SIGNATURE,
     HookedStepState,
+    OptimizerShell,
+    amp_scaling_supported,
+    local_tensor,
     run_load,
     run_step,
-)
-from gefen.core.validation import (
-    amp_scaling_supported,
-    check_finite_gradients,
-    local_tensor,
-    validate_gradient_structure,
 )
 from gefen.dist import (
     Channel,
@@ -40,8 +34,13 @@ from gefen.dist import (
     cuda_graph_capturing,
 )
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
-from gefen.hybrid.adamw_preflight import check_adamw_backup
-from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
+from gefen.dist.torch_internals import HOOK_REGISTRIES, fresh_hook_registries, state_dict_with_hooks
+from gefen.hybrid.adamw_participant import AdamWParticipant, ChildParticipant
+from gefen.hybrid.checkpoint import (
+    PreparedHybridLoad,
+    build_hybrid_state_dict,
+    prepare_hybrid_load,
+)
 from gefen.hybrid.construction import HybridConfig, build_children, resolve_lists
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
 from gefen.hybrid.state_view import HybridState
@@ -65,7 +64,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         "backup_optimizer",
         "_check_finite",
         "_commit_failed",
-        *HOOK_DICTS,
+        *HOOK_REGISTRIES,
     )
 
     def __init__(
@@ -115,9 +114,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         self.backup_optimizer = backup_optimizer
         self._check_finite = check_finite
         self._commit_failed = False
-        for name in HOOK_DICTS:
-            setattr(self, name, OrderedDict())
-        self._rebuild_registry()
+        fresh_hook_registries(self)
+        self.rebuild_registry()
 
     @classmethod
     def from_model(
@@ -130,14 +128,15 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     # -- children, registry and the torch-facing surface -------------------------------------
 
     @property
-    def _children(self) -> tuple[torch.optim.Optimizer, ...]:
+    def children(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The present children, Muon first."""
         return tuple(child for child in (self.muon, self.backup) if child is not None)
 
     def _roles(self) -> tuple[tuple[str, torch.optim.Optimizer], ...]:
         pairs = (("muon", self.muon), ("backup", self.backup))
         return tuple((role, child) for role, child in pairs if child is not None)
 
-    def _rebuild_registry(self) -> None:
+    def rebuild_registry(self) -> None:
         """Derived data (never pickled): who owns each parameter, and each child's layout."""
         owners: dict[Tensor, torch.optim.Optimizer] = {}
         snapshots = []
@@ -150,8 +149,22 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         self._registry: Mapping[Tensor, torch.optim.Optimizer] = MappingProxyType(owners)
         self._snapshots = tuple(snapshots)
         self._state_view = HybridState(self)
+        self._participants = tuple(
+            (role, self._participant(child)) for role, child in self._roles()
+        )
 
-    def _owner_of(self, key: object) -> torch.optim.Optimizer | None:
+    def _participant(self, child: torch.optim.Optimizer) -> ChildParticipant:
+        if child is self.backup and self.backup_optimizer == "adamw":
+            return AdamWParticipant(child, self.OWNER_NAME, check_finite=self._check_finite)
+        return cast(ChildParticipant, child)  # Gefen and GefenMuon are participants as they are
+
+    @property
+    def participants(self) -> tuple[tuple[str, ChildParticipant], ...]:
+        """(role, participant) of each present child, Muon first: what the step and load run."""
+        return self._participants
+
+    def owner_of(self, key: object) -> torch.optim.Optimizer | None:
+        """The child that owns parameter ``key``, or None."""
         if not isinstance(key, Tensor):
             return None
         return self._registry.get(key)
@@ -159,7 +172,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """A new list of the children's live group dicts: Muon's, then the backup's."""
-        return [group for child in self._children for group in child.param_groups]
+        return [group for child in self.children for group in child.param_groups]
 
     @param_groups.setter
     def param_groups(self, value: Any) -> None:
@@ -170,14 +183,14 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._children[0].defaults
+        return self.children[0].defaults
 
     @property
     def state(self) -> HybridState:  # type: ignore[override]
         return self._state_view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for child in self._children:
+        for child in self.children:
             child.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -209,7 +222,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         return amp_scaling_supported(self.param_groups, self.step_failure_scope())
 
-    def _operation(self) -> GuardedOperation:
+    def guarded_operation(self) -> GuardedOperation:
         if children_binding(self) is not None:
             return GuardedOperation(self.OWNER_NAME, binding_getter=lambda: children_binding(self))
         return GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
@@ -229,10 +242,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     @property
     def finalized(self) -> bool:
         """Whether ``post_sharding`` has finalized the children."""
-        children = self._gefen_children()
+        children = self.gefen_children()
         return bool(children) and all(child.finalized is not None for child in children)
 
-    def _check_layout(self) -> None:
+    def check_layout(self) -> None:
+        """Raise when a child's groups no longer hold the tensors they held at construction."""
         for role, child, groups in self._snapshots:
             live = child.param_groups
             for index, expected in enumerate(groups):
@@ -252,37 +266,30 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     "groups were added, removed or resized"
                 )
 
-    def _check_latch(self) -> None:
+    def check_latch(self) -> None:
         if self._commit_failed:
             raise RuntimeError(_LATCHED)
-        self._check_layout()
+        self.check_layout()
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective, no mutation: layout, then each child's checks."""
-        self._check_layout()
-        if self.muon is not None:
-            self.muon.validate_step_inputs(amp_present=amp_present)
-        if isinstance(self.backup, Gefen):
-            self.backup.validate_step_inputs(amp_present=amp_present)
-        elif self.backup is not None:
-            groups = self.backup.param_groups
-            check_adamw_backup(self.backup, self.OWNER_NAME)
-            validate_gradient_structure(groups, owner=self.OWNER_NAME, require_2d=False)
-            if self._check_finite and not amp_present:
-                check_finite_gradients(groups)
+        self.check_layout()
+        for _, participant in self._participants:
+            participant.validate_step_inputs(amp_present=amp_present)
 
-    def _gefen_children(self) -> tuple[OptimizerShell, ...]:
-        return tuple(child for child in self._children if isinstance(child, OptimizerShell))
+    def gefen_children(self) -> tuple[OptimizerShell, ...]:
+        """The children that are Gefen optimizers (they carry a codebook binding)."""
+        return tuple(child for child in self.children if isinstance(child, OptimizerShell))
 
     def step_header_payload(self) -> tuple[int, list[list[int]]] | None:
         """With a codebook binding: the child-presence mask and each present child's payload."""
-        payloads = [child.step_header_payload() for child in self._gefen_children()]
+        payloads = [child.step_header_payload() for _, child in self._participants]
         if not payloads or any(payload is None for payload in payloads):
             return None
         mask = (1 if self.muon is not None else 0) | (2 if self.backup is not None else 0)
         return mask, [payload for payload in payloads if payload is not None]
 
-    def _exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
+    def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
         """50-dist.md §9.3: the child-presence header first, then one header per child."""
         if op.binding is None or payload is None:
             return
@@ -292,20 +299,16 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             op.header(OP_STEP, words, HEADER_WORD_NAMES)
 
     def check_step_agreement(self) -> None:
-        if self.muon is not None:
-            self.muon.check_step_agreement()
+        for _, participant in self._participants:
+            participant.check_step_agreement()
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
         """Phases 4–5 child by child (Muon first); a failure latches the hybrid."""
-        op = operation if operation is not None else self._operation()
+        op = operation if operation is not None else self.guarded_operation()
         try:
             with torch.no_grad():
-                if self.muon is not None:
-                    self.muon.apply_prepared_step(operation=op)
-                if isinstance(self.backup, Gefen):
-                    self.backup.apply_prepared_step(operation=op)
-                elif self.backup is not None:
-                    self.backup.step()
+                for _, participant in self._participants:
+                    participant.apply_prepared_step(operation=op)
         except BaseException:
             self._commit_failed = True
             raise
@@ -322,18 +325,18 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     # -- checkpoints (§8) ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        result = build_hybrid_state_dict(self)
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            replaced = post_hook(self, result)
-            if replaced is not None:
-                result = replaced
-        return result
+        return state_dict_with_hooks(self, lambda: build_hybrid_state_dict(self))  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Atomic over both children: prepare (voted), agree, commit, post-hooks."""
         run_load(self, lambda: prepare_hybrid_load(self, state_dict))
+
+    def publish_load(self, prepared: PreparedHybridLoad) -> None:
+        """The load's publication: each child's staged load, then the latch clears."""
+        for child_load in (prepared.muon, prepared.backup):
+            if child_load is not None:
+                child_load.commit()
+        self._commit_failed = False
 
     # -- contract (§9) ------------------------------------------------------------------------
 
@@ -345,7 +348,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     # -- pickling and copies ------------------------------------------------------------------
 
     def _restore_derived(self) -> None:
-        self._rebuild_registry()
+        self.rebuild_registry()
 
 
 GefenMuonHybrid.step.hooked = True  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ class HybridState(Mapping[Tensor, Any]):
         self._hybrid = hybrid
 
     def _owner(self, key: object) -> Any:
-        child = self._hybrid._owner_of(key)
+        child = self._hybrid.owner_of(key)
         if child is None:
             raise KeyError(
                 f"{type(key).__name__} is not owned by GefenMuonHybrid; parameters swapped in "
@@ -42,21 +42,21 @@ class HybridState(Mapping[Tensor, Any]):
         return self._owner(key).state[key]
 
     def __contains__(self, key: object) -> bool:
-        child = self._hybrid._owner_of(key)
+        child = self._hybrid.owner_of(key)
         return child is not None and key in child.state
 
     def get(self, key: Tensor, default: Any = None) -> Any:
-        child = self._hybrid._owner_of(key)
+        child = self._hybrid.owner_of(key)
         if child is None or key not in child.state:
             return default
         return child.state[key]
 
     def __iter__(self) -> Iterator[Tensor]:
-        for child in self._hybrid._children:
+        for child in self._hybrid.children:
             yield from child.state
 
     def __len__(self) -> int:
-        return sum(len(child.state) for child in self._hybrid._children)
+        return sum(len(child.state) for child in self._hybrid.children)
 
     def __repr__(self) -> str:
         return f"HybridState({len(self)} entries)"

@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from gefen.core.loading import stage_entries
-from gefen.core.state import is_initialized
-from gefen.core.validation import parameter_label
+from gefen.core.extension import is_initialized, parameter_label, stage_entries
 from gefen.dist import BindingError, CheckpointProcessGroupBinding, broadcast_owner_state
 from gefen.muon.kernels import stable_owner
 from gefen.muon.modes import APPROX, DistributedSlot, distributed_slots
@@ -56,7 +54,7 @@ def check_checkpoint_binding(optimizer: GefenMuon, binding: object) -> None:
             "checkpoint_binding must be a CheckpointProcessGroupBinding, got "
             f"{type(binding).__name__}"
         )
-    installed = optimizer._binding
+    installed = optimizer.binding
     if installed is not None:
         if binding.process_group is not installed.process_group or (
             binding.identity != installed.identity
@@ -64,7 +62,7 @@ def check_checkpoint_binding(optimizer: GefenMuon, binding: object) -> None:
         ):
             raise BindingError("checkpoint_binding does not match the installed codebook binding")
         return
-    slots = distributed_slots(optimizer._indexed())
+    slots = distributed_slots(optimizer.indexed_params())
     if len(slots) != 1:
         raise BindingError(
             "a checkpoint_binding needs exactly one eligible distributed process group, "
@@ -89,7 +87,7 @@ def consolidated_entries(optimizer: GefenMuon) -> dict[int, dict[str, Any]]:
 
     Collective whenever eligible distributed groups exist: every rank must call it.
     """
-    indexed = optimizer._indexed()
+    indexed = optimizer.indexed_params()
     entries = {index: dict(optimizer.state[param]) for index, _, param in indexed}
     for slots in distributed_slots(indexed):
         for slot in slots:
@@ -104,7 +102,7 @@ def manifest(
     optimizer: GefenMuon, entries: Mapping[int, Mapping[str, Any]]
 ) -> dict[str, Any] | None:
     """The consolidation manifest, or None without eligible distributed groups."""
-    slots_per_group = distributed_slots(optimizer._indexed())
+    slots_per_group = distributed_slots(optimizer.indexed_params())
     if not slots_per_group:
         return None
     names = _names(optimizer.param_groups)

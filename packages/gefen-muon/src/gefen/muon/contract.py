@@ -26,7 +26,7 @@ from gefen.contracts import (
     TopologyChange,
     TrainingSupport,
 )
-from gefen.core.contract import api_flags, extras_field, finalized_training, parameter_field
+from gefen.core.extension import api_flags, extras_field, finalized_training, parameter_field
 
 if TYPE_CHECKING:
     from gefen.muon.optimizer import GefenMuon
@@ -45,6 +45,7 @@ def _fields() -> tuple[StateField, ...]:
         parameter_field("step", StateGeometry.SCALAR, "updates applied to this matrix"),
         parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
         parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
+        parameter_field("matrix_cols", StateGeometry.SCALAR, "the matrix width C of the codes"),
         parameter_field("momentum_buffer", StateGeometry.PARAMETER, "momentum, codec none"),
         parameter_field("normuon_v", StateGeometry.ROW, "fp32 NorMuon row statistics (R, 1)"),
         parameter_field("normuon_step", StateGeometry.SCALAR, "NorMuon bias-correction age"),
@@ -71,7 +72,9 @@ def _momentum_variants(
 
 def _variants(codebook8: bool, global_shards: bool, local_shards: bool) -> tuple[StateVariant, ...]:
     prefix = "q8" if codebook8 else "fp32"
-    momentum = ("momentum_codes", "momentum_scale") if codebook8 else ("momentum_buffer",)
+    momentum = (
+        ("momentum_codes", "momentum_scale", "matrix_cols") if codebook8 else ("momentum_buffer",)
+    )
     variants = [
         StateVariant(
             name="uninitialized",

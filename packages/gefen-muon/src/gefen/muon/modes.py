@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.validation import is_dtensor
+from gefen.core.extension import is_dtensor
 from gefen.dist import Channel, choose_collective_device, collective, mesh_key
 from gefen.muon.kernels import stable_owner
 

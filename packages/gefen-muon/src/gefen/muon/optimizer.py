@@ -16,15 +16,24 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import OptimizerContract, ParameterLayout
-from gefen.core import fused as core_fused  # module attribute: tests patch its functions
-from gefen.core.fused import MomentumAdvancer
-from gefen.core.kernels import select_period
-from gefen.core.learning import CodebookInput, StagedLearning
-from gefen.core.options import check_optimizer_wide, lr_value
-from gefen.core.shell import OptimizerShell
-from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
-from gefen.core.transaction import STEP_SIGNATURE, run_step
-from gefen.core.validation import local_tensor
+from gefen.core import extension as core_extension
+from gefen.core.extension import (
+    STEP_SIGNATURE,
+    CodebookInput,
+    CodecKeys,
+    EntrySpec,
+    MomentumAdvancer,
+    OptimizerShell,
+    StagedLearning,
+    allocate_entry,
+    check_optimizer_wide,
+    eager_advance_momentum_,
+    is_initialized,
+    local_tensor,
+    lr_value,
+    run_step,
+    select_period,
+)
 from gefen.dist import GuardedOperation, cuda_graph_capturing
 from gefen.muon.kernels import STANDARD_TRIPLE, adjust_lr_ratio, local_slice_of_full
 from gefen.muon.modes import (
@@ -161,7 +170,7 @@ class GefenMuon(OptimizerShell):
 
     # -- options ----------------------------------------------------------------------------
 
-    def _validate_group(self, group: Mapping[str, Any]) -> None:
+    def validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
         validate_muon_options(group)
 
@@ -173,7 +182,7 @@ class GefenMuon(OptimizerShell):
                     f"size: {param.size()}"
                 )
         check_mode_mix([*self.param_groups, candidate])
-        self._validate_group(candidate)
+        self.validate_group(candidate)
         normalise_schedule_steps(candidate)  # type: ignore[arg-type]
 
     def _check_local_inputs(self) -> None:
@@ -182,7 +191,7 @@ class GefenMuon(OptimizerShell):
 
     # -- the state codec --------------------------------------------------------------------
 
-    def _entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
+    def entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec:
         rows, cols = quantized_shape(group, param)
         return EntrySpec(
             numel=rows * cols,
@@ -195,12 +204,15 @@ class GefenMuon(OptimizerShell):
                 "normuon_v": ((rows, 1), torch.float32),
                 "normuon_step": ((), torch.int64),
             },
+            # (B, P) codes hold rows * cols values in row-major order: the width tells a
+            # (16, 8) momentum from an (8, 16) one (a transposed p.data, another checkpoint).
+            recorded_ints={"matrix_cols": cols},
         )
 
-    def _select_period(
+    def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
-        if not self._codebook8:
+        if not self.uses_codebook:
             return 1  # codec "none" stores the matrix as is; no selection runs
         return select_period(view, shape, force_one=False)
 
@@ -214,14 +226,14 @@ class GefenMuon(OptimizerShell):
             return local if local.numel() > 0 else None
         if mode == "plain":
             return grad
-        if not self._codebook8:
+        if not self.uses_codebook:
             return local_tensor(grad)  # the period is 1 whatever the view; no gather needed
         return full_gradient(grad)
 
-    def _codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
-        learning_codebook = self._codebook8 and self._codebook is None
+    def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
+        learning_codebook = self.uses_codebook and self._codebook is None
         inputs: list[CodebookInput] = []
-        for index, group, param in self._indexed():
+        for index, group, param in self.indexed_params():
             if param.grad is None:
                 continue
             if not learning_codebook and self.state[param].get("period", 0) != 0:
@@ -244,8 +256,8 @@ class GefenMuon(OptimizerShell):
         type (never serialized). ``fused=True``: a compile failure raises and nothing is cached,
         so a retry selects again; ``fused=None``: one warning, then the eager path.
         """
-        fused = core_fused.resolve_default(self.defaults["fused"])
-        if fused is False or not self._codebook8:
+        fused = core_extension.resolve_default(self.defaults["fused"])
+        if fused is False or not self.uses_codebook:
             return None
         key = (device_type, fused)
         if key in self._momentum_kernels:
@@ -254,7 +266,7 @@ class GefenMuon(OptimizerShell):
             # The commit runs under no_grad: warming up under it too keeps Dynamo from
             # compiling a second graph for the grad mode (the preflight runs with grad on).
             with torch.no_grad():
-                kernel: MomentumAdvancer | None = core_fused.fused_momentum(device_type)
+                kernel: MomentumAdvancer | None = core_extension.fused_momentum(device_type)
         except Exception as error:
             if fused:
                 raise RuntimeError(
@@ -273,11 +285,11 @@ class GefenMuon(OptimizerShell):
 
     def _select_kernels(self) -> None:
         """The local preflight's selection: every device a codebook8 momentum will run on."""
-        if not self._codebook8:
+        if not self.uses_codebook:
             return
         devices = {
             local_tensor(param).device.type
-            for _, _, param in self._indexed()
+            for _, _, param in self.indexed_params()
             if param.grad is not None
         }
         for device_type in sorted(devices):
@@ -294,7 +306,7 @@ class GefenMuon(OptimizerShell):
         references to the parameters themselves); tensor lrs are read once per group.
         """
         hypers: dict[int, MuonHyper] = {}
-        stochastic = self._codebook8 and bool(self.defaults["stochastic_round"])
+        stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
 
         def planned(index: int, group: Mapping[str, Any], param: Tensor, mode: str) -> _Planned:
             hyper = hypers.get(id(group))
@@ -311,7 +323,7 @@ class GefenMuon(OptimizerShell):
                 seed=(self._global_step, index) if stochastic else None,
             )
 
-        indexed = self._indexed()
+        indexed = self.indexed_params()
         slots = distributed_slots(indexed)
         distributed = {slot.index for per_group in slots for slot in per_group}
         plan: list[_Planned | _Bucket] = []
@@ -344,8 +356,10 @@ class GefenMuon(OptimizerShell):
         an initialized one keeps its tensors, moved to ``device`` only where needed."""
         entry: dict[str, Any] = self.state[planned.param]
         if not is_initialized(entry):
-            spec = self._entry_spec(planned.group, planned.param)
-            fresh = allocate_entry(spec, planned.period, codebook8=self._codebook8, device=device)
+            spec = self.entry_spec(planned.group, planned.param)
+            fresh = allocate_entry(
+                spec, planned.period, codebook8=self.uses_codebook, device=device
+            )
             entry.clear()
             entry.update(fresh)
             return entry
@@ -362,12 +376,12 @@ class GefenMuon(OptimizerShell):
         entry = self._live_entry(planned, device)
         codebook: Tensor | None = None
         advance: MomentumAdvancer | None = None
-        if self._codebook8:
+        if self.uses_codebook:
             assert self._codebook is not None  # published by the shell before the commit
             codebook = codebooks.get(device)
             if codebook is None:
                 codebook = codebooks[device] = self._codebook.to(device)
-            advance = self._momentum_kernel(device.type) or core_fused.eager_advance_momentum_
+            advance = self._momentum_kernel(device.type) or eager_advance_momentum_
         return orthogonal_update_(
             entry,
             matrix,
@@ -457,7 +471,7 @@ class GefenMuon(OptimizerShell):
 
     # -- checkpoints (§8) -------------------------------------------------------------------
 
-    def _rank_local_checkpoint(self) -> bool:
+    def rank_local_checkpoint(self) -> bool:
         approx = any(group["sharded_mode"] == APPROX for group in self.param_groups)
         return approx and len(self.step_failure_scope()) > 0
 
@@ -469,7 +483,7 @@ class GefenMuon(OptimizerShell):
     def state_dict(self, *, checkpoint_binding: object = None) -> dict[str, Any]:
         """torch's layout plus the extras; collective with eligible distributed groups (§8)."""
         if checkpoint_binding is not None or len(self.step_failure_scope()) > 0:
-            self._operation().local(
+            self.guarded_operation().local(
                 PHASE_STATE_DICT_PREFLIGHT, self._check_checkpoint_binding, checkpoint_binding
             )
         return super().state_dict()
@@ -479,13 +493,13 @@ class GefenMuon(OptimizerShell):
 
         return consolidated_entries(self)
 
-    def _checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    def checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         from gefen.muon.checkpoint import manifest
 
         built = manifest(self, entries)
         return {} if built is None else {"muon_distributed": built}
 
-    def _stage_entries(
+    def stage_entries(
         self,
         saved_state: Mapping[int, Any],
         groups: list[dict[str, Any]],

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
-from gefen.core.options import check_flag, check_lr
+from gefen.core.extension import check_flag, check_lr
 from gefen.muon.kernels import STANDARD_TRIPLE, resolve_ns_schedule
 
 __all__ = [

@@ -75,7 +75,7 @@ OPTION_KEYS: frozenset[str] = frozenset(
 )
 """Every GefenMuon option: the keys of ``defaults`` and of each param group besides ``params``."""
 
-CODEBOOK8_KEYS = ["momentum_codes", "momentum_scale", "period", "step"]
+CODEBOOK8_KEYS = ["matrix_cols", "momentum_codes", "momentum_scale", "period", "step"]
 """The state keys of one initialized 8-bit-codebook entry, in manifest order."""
 
 

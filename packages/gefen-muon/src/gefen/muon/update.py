@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.fused import MomentumAdvancer
+from gefen.core.extension import MomentumAdvancer
 from gefen.muon.kernels import newton_schulz, normuon_rescale
 
 __all__ = [

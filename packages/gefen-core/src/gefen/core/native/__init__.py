@@ -28,14 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.fused import (
+from gefen.core.kernels import fused_update as reference
+from gefen.core.updaters import (
     StepScalars,
     eager_advance_momentum_,
     eager_update_,
     hyper_values,
     stream_value,
 )
-from gefen.core.kernels import fused_update as reference
+from gefen.dist.torch_internals import tensor_version
 
 __all__ = [
     "EncodeTables",
@@ -194,27 +195,28 @@ def first_nonfinite(tensors: list[Tensor]) -> int | None:
 class EncodeTables:
     """The kernel's encode tables of a codebook (``gefen_tables`` in the C file: bucket counts,
     the nearest-rounding thresholds and their byte planes), built by the library and cached by
-    the codebook tensor and its version, as ``gefen.core.fused.CodebookTables`` does."""
+    the codebook tensor and its version, as ``gefen.core.updaters.CodebookTables`` does."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._library = library
         self._size = int(library.gefen_tables_size())
         self._codebook: Tensor | None = None
-        self._version = -1
+        self._codebook_version = -1
         self._tables = torch.zeros(0, dtype=torch.uint8)
 
     def get(self, codebook: Tensor) -> Tensor:
-        if codebook is not self._codebook or codebook._version != self._version:
+        if codebook is not self._codebook or tensor_version(codebook) != self._codebook_version:
             values = codebook.detach().to(device="cpu", dtype=torch.float32).contiguous()
             tables = torch.zeros(self._size, dtype=torch.uint8)
             if self._library.gefen_build_tables(values.data_ptr(), tables.data_ptr()) != 0:
                 raise ValueError("native kernel: the codebook is not strictly increasing")
-            self._tables, self._codebook, self._version = tables, codebook, codebook._version
+            self._tables, self._codebook = tables, codebook
+            self._codebook_version = tensor_version(codebook)
         return self._tables
 
 
 class NativeUpdater:
-    """The ``Updater`` of ``gefen.core.fused`` backed by the native kernel (CPU, contiguous)."""
+    """The ``Updater`` of ``gefen.core.updaters`` backed by the native kernel (CPU, contiguous)."""
 
     def __init__(self, *, portable: bool = False) -> None:
         library = build_library()
@@ -305,7 +307,7 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
 
 
 class NativeMomentum:
-    """GefenMuon's codebook8 momentum (``gefen.core.fused.MomentumAdvancer``) on the native
+    """GefenMuon's codebook8 momentum (``gefen.core.updaters.MomentumAdvancer``) on the native
     kernel: fp32 and bf16 gradients; other dtypes take the eager reference."""
 
     def __init__(self, *, portable: bool = False) -> None:

@@ -1,0 +1,101 @@
+"""The extension API of gefen-core: everything a sibling optimizer may build on.
+
+gefen-muon and gefen-hybrid import from gefen-core only ``gefen.core`` (the user API),
+this module, and ``gefen.core.testing`` in their own testing helpers; the lint check
+(``tools/private_access.py``) refuses any other gefen-core import in a sibling distribution,
+so the boundary between the distributions is this list and nothing else. A third-party optimizer
+built on the shell uses the same list. Names are grouped by what they are for:
+
+* the shell and its transactions: ``OptimizerShell`` (subclass it), ``PreparedLoad``,
+  ``PreparedFinalization``, ``run_step`` / ``run_load`` / ``STEP_SIGNATURE`` /
+  ``HookedStepState`` (the step and load templates for a composite), ``copy_containers``;
+* state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
+  ``stage_entries``;
+* codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``;
+* the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
+  ``resolve_default``;
+* option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
+  ``lr_value``, ``amp_scaling_supported``, ``check_finite_gradients``,
+  ``validate_gradient_structure``, ``is_dtensor``, ``local_tensor``, ``parameter_label``;
+* contracts: ``api_flags``, ``extras_field``, ``finalized_training``, ``parameter_field``.
+
+Everything here is covered by gefen-core's own tests (``tests/test_core_extension_api.py``
+checks the list itself). Changing a signature here is a breaking change of gefen-core.
+"""
+
+from __future__ import annotations
+
+from gefen.core import fused as _fused
+from gefen.core.checkpoint import PreparedLoad
+from gefen.core.contract import api_flags, extras_field, finalized_training, parameter_field
+from gefen.core.finalization import PreparedFinalization
+from gefen.core.kernels import select_period
+from gefen.core.learning import CodebookInput, StagedLearning
+from gefen.core.loading import stage_entries
+from gefen.core.options import check_flag, check_lr, check_optimizer_wide, lr_value
+from gefen.core.shell import OptimizerShell
+from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
+from gefen.core.transaction import (
+    STEP_SIGNATURE,
+    HookedStepState,
+    copy_containers,
+    run_load,
+    run_step,
+)
+from gefen.core.updaters import MomentumAdvancer, eager_advance_momentum_
+from gefen.core.validation import (
+    amp_scaling_supported,
+    check_finite_gradients,
+    is_dtensor,
+    local_tensor,
+    parameter_label,
+    validate_gradient_structure,
+)
+
+__all__ = [
+    "STEP_SIGNATURE",
+    "CodebookInput",
+    "CodecKeys",
+    "EntrySpec",
+    "HookedStepState",
+    "MomentumAdvancer",
+    "OptimizerShell",
+    "PreparedFinalization",
+    "PreparedLoad",
+    "StagedLearning",
+    "allocate_entry",
+    "amp_scaling_supported",
+    "api_flags",
+    "check_finite_gradients",
+    "check_flag",
+    "check_lr",
+    "check_optimizer_wide",
+    "copy_containers",
+    "eager_advance_momentum_",
+    "extras_field",
+    "finalized_training",
+    "fused_momentum",
+    "is_dtensor",
+    "is_initialized",
+    "local_tensor",
+    "lr_value",
+    "parameter_field",
+    "parameter_label",
+    "resolve_default",
+    "run_load",
+    "run_step",
+    "select_period",
+    "stage_entries",
+    "validate_gradient_structure",
+]
+
+
+def fused_momentum(device_type: str) -> MomentumAdvancer:
+    """A fused ``MomentumAdvancer`` for ``device_type`` (proven on a tiny input; raises when
+    none builds). Looked up in ``gefen.core.fused`` at each call, so a test's patch applies."""
+    return _fused.fused_momentum(device_type)
+
+
+def resolve_default(fused: bool | None) -> bool | None:
+    """The effective ``fused`` option: None (try, fall back with a warning), True or False."""
+    return _fused.resolve_default(fused)

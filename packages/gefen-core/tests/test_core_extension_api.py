@@ -1,0 +1,96 @@
+"""The extension API (``gefen.core.extension``) is a deliberate, documented list.
+
+Sibling packages import gefen-core only through ``gefen.core`` and this module (the repository's
+lint check enforces it); these tests lock the list, check each name is the object its defining
+module holds, documented, and that the fused-momentum entry points look their implementation up
+at call time (so a patch of ``gefen.core.fused`` reaches GefenMuon).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from gefen.core import extension, fused
+
+EXPECTED = {
+    "STEP_SIGNATURE": "gefen.core.transaction",
+    "CodebookInput": "gefen.core.learning",
+    "CodecKeys": "gefen.core.state",
+    "EntrySpec": "gefen.core.state",
+    "HookedStepState": "gefen.core.transaction",
+    "MomentumAdvancer": "gefen.core.updaters",
+    "OptimizerShell": "gefen.core.shell",
+    "PreparedFinalization": "gefen.core.finalization",
+    "PreparedLoad": "gefen.core.checkpoint",
+    "StagedLearning": "gefen.core.learning",
+    "allocate_entry": "gefen.core.state",
+    "amp_scaling_supported": "gefen.core.validation",
+    "api_flags": "gefen.core.contract",
+    "check_finite_gradients": "gefen.core.validation",
+    "check_flag": "gefen.core.options",
+    "check_lr": "gefen.core.options",
+    "check_optimizer_wide": "gefen.core.options",
+    "copy_containers": "gefen.core.transaction",
+    "eager_advance_momentum_": "gefen.core.updaters",
+    "extras_field": "gefen.core.contract",
+    "finalized_training": "gefen.core.contract",
+    "fused_momentum": "gefen.core.extension",
+    "is_dtensor": "gefen.core.validation",
+    "is_initialized": "gefen.core.state",
+    "local_tensor": "gefen.core.validation",
+    "lr_value": "gefen.core.options",
+    "parameter_field": "gefen.core.contract",
+    "parameter_label": "gefen.core.validation",
+    "resolve_default": "gefen.core.extension",
+    "run_load": "gefen.core.transaction",
+    "run_step": "gefen.core.transaction",
+    "select_period": "gefen.core.kernels",
+    "stage_entries": "gefen.core.loading",
+    "validate_gradient_structure": "gefen.core.validation",
+}
+
+
+def test_the_list_is_exactly_the_declared_one() -> None:
+    assert sorted(extension.__all__) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_name_is_its_defining_modules_object_and_documented(name: str) -> None:
+    value = getattr(extension, name)
+    home = importlib.import_module(EXPECTED[name])
+    assert getattr(home, name) is value
+    if inspect.isclass(value) or inspect.isfunction(value):
+        assert inspect.getdoc(value), f"{name} has no docstring"
+
+
+def test_the_fused_entry_points_follow_a_patch_of_gefen_core_fused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[object] = []
+
+    def momentum(device_type: str) -> str:
+        seen.append(device_type)
+        return "patched"
+
+    monkeypatch.setattr(fused, "fused_momentum", momentum)
+    monkeypatch.setattr(fused, "resolve_default", lambda value: ("resolved", value))
+    assert extension.fused_momentum("cpu") == "patched"
+    assert extension.resolve_default(None) == ("resolved", None)
+    assert seen == ["cpu"]
+
+
+def test_the_extension_api_is_enough_for_gefen_muon() -> None:
+    # GefenMuon is built from the shell through this module only (the lint check proves it
+    # imports nothing else of gefen-core); here: it is an OptimizerShell and steps.
+    torch = pytest.importorskip("torch")
+    muon = pytest.importorskip("gefen.muon")
+    param = torch.nn.Parameter(torch.randn(8, 4))
+    optimizer = muon.GefenMuon([param], lr=0.02)
+    assert isinstance(optimizer, extension.OptimizerShell)
+    before = param.detach().clone()
+    param.grad = torch.randn(8, 4)
+    optimizer.step()
+    assert not torch.equal(before, param.detach())

@@ -1,0 +1,142 @@
+"""The torch internals the Gefen optimizers touch, in one place.
+
+An optimizer that runs its own step transaction must fire the hooks torch's step wrapper would
+fire, and those registries are private attributes of ``torch.optim.Optimizer`` and of its
+module. The step also reads a tensor's in-place version counter, multiplies gradients with the
+multi-tensor ``_foreach`` kernel GradScaler uses, and the harness reads Dynamo's graph counter.
+Nothing else in the project names a torch private: when torch moves one of these, this module
+is the one place to change. ``TORCH_INTERNALS`` lists them for the project's lint test.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+__all__ = [
+    "HOOK_REGISTRIES",
+    "TORCH_INTERNALS",
+    "copy_with_load_pre_hooks",
+    "dynamo_unique_graphs",
+    "foreach_mul_",
+    "fresh_hook_registries",
+    "instance_hooks",
+    "run_load_post_hooks",
+    "state_dict_with_hooks",
+    "step_post_hooks",
+    "step_pre_hooks",
+    "tensor_version",
+]
+
+HOOK_REGISTRIES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""The per-instance hook registries torch's ``register_*`` methods fill (ordered dicts)."""
+
+TORCH_INTERNALS = (
+    *HOOK_REGISTRIES,
+    "_global_optimizer_pre_hooks",
+    "_global_optimizer_post_hooks",
+    "_version",
+    "_foreach_mul_",
+    "_dynamo",
+)
+"""Every torch private name this module reads; the lint test allows them here only."""
+
+_HOOK_KINDS = {
+    "step_pre": "_optimizer_step_pre_hooks",
+    "step_post": "_optimizer_step_post_hooks",
+    "state_dict_pre": "_optimizer_state_dict_pre_hooks",
+    "state_dict_post": "_optimizer_state_dict_post_hooks",
+    "load_pre": "_optimizer_load_state_dict_pre_hooks",
+    "load_post": "_optimizer_load_state_dict_post_hooks",
+}
+
+
+def instance_hooks(optimizer: object, kind: str) -> list[Callable[..., Any]]:
+    """The hooks registered on ``optimizer`` for ``kind`` (``"step_pre"``, ``"step_post"``,
+    ``"state_dict_pre"``, ``"state_dict_post"``, ``"load_pre"``, ``"load_post"``), in order."""
+    registry = getattr(optimizer, _HOOK_KINDS[kind])
+    return list(registry.values())
+
+
+def step_pre_hooks(optimizer: object) -> list[Callable[..., Any]]:
+    """The global step pre-hooks, then the optimizer's own, as torch's step wrapper runs them."""
+    return list(
+        chain(
+            torch_optimizer._global_optimizer_pre_hooks.values(),
+            instance_hooks(optimizer, "step_pre"),
+        )
+    )
+
+
+def step_post_hooks(optimizer: object) -> list[Callable[..., Any]]:
+    """The optimizer's own step post-hooks, then the global ones (torch's order)."""
+    return list(
+        chain(
+            instance_hooks(optimizer, "step_post"),
+            torch_optimizer._global_optimizer_post_hooks.values(),
+        )
+    )
+
+
+def fresh_hook_registries(optimizer: object, *, keep_existing: bool = False) -> None:
+    """Give ``optimizer`` empty hook registries of its own (a shadow, a fresh composite, or
+    with ``keep_existing`` an unpickled copy that lacks some)."""
+    for name in HOOK_REGISTRIES:
+        if not (keep_existing and name in optimizer.__dict__):
+            setattr(optimizer, name, OrderedDict())
+
+
+def state_dict_with_hooks(optimizer: object, build: Callable[[], dict[str, Any]]) -> Any:
+    """torch's ``state_dict`` protocol around ``build``: pre-hooks, then post-hooks, each of
+    which may replace the result."""
+    for hook in instance_hooks(optimizer, "state_dict_pre"):
+        hook(optimizer)
+    result = build()
+    for post_hook in instance_hooks(optimizer, "state_dict_post"):
+        replaced = post_hook(optimizer, result)
+        if replaced is not None:
+            result = replaced
+    return result
+
+
+def copy_with_load_pre_hooks(optimizer: object, copied: Any) -> Any:
+    """Run the load pre-hooks on the caller's (already copied) state dict; each may replace it."""
+    for hook in instance_hooks(optimizer, "load_pre"):
+        replaced = hook(optimizer, copied)
+        if replaced is not None:
+            copied = replaced
+    return copied
+
+
+def run_load_post_hooks(optimizer: object) -> None:
+    for hook in instance_hooks(optimizer, "load_post"):
+        hook(optimizer)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (bumped by every in-place write)."""
+    return tensor._version
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by ``factor`` with one multi-tensor kernel."""
+    torch._foreach_mul_(list(tensors), factor)
+
+
+def dynamo_unique_graphs() -> int:
+    """Graphs Dynamo compiled so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
