@@ -343,7 +343,7 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """60-quality.md "Numbers to reach" and the step-time targets of harness_config, each met
+    """docs/quality.md "Numbers to reach" and the step-time targets of harness_config, each met
     (True), not met (False) or not measured (None)."""
     pinned = args.model_size == "default"
     scope = "" if pinned else " (model is not the pinned default: indicative only)"
@@ -464,7 +464,7 @@ def print_table(rows: list[dict[str, Any]], goals: list[dict[str, Any]]) -> None
         "first ms: the first step() (compilation, codebook learning); extra B/p: peak memory "
         "during step() beyond what was resident before it, per parameter"
     )
-    print_targets("60-quality.md targets and goals:", goals)
+    print_targets("docs/quality.md targets and goals:", goals)
 
 
 def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:

@@ -1,5 +1,5 @@
 """The comparison harness's configuration: the one table of default learning rates, the model
-sizes, the shared training recipe and the targets of 60-quality.md.
+sizes, the shared training recipe and the targets of docs/quality.md.
 
 The README lists ``DEFAULT_LR`` next to the results; ``compare.py --lr-sweep`` multiplies each
 entry by ``SWEEP_MULTIPLIERS`` and keeps each optimizer's best.
@@ -61,7 +61,7 @@ class ModelSize:
 
 MODEL_SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(d_model=64, layers=2, heads=4, context=64),
-    # Pinned by 60-quality.md: the bytes/param targets refer to this model (1,853,568 params).
+    # Pinned by docs/quality.md: the bytes/param targets refer to this model (1,853,568 params).
     "default": ModelSize(d_model=192, layers=4, heads=4, context=128),
     "large": ModelSize(d_model=384, layers=6, heads=6, context=256),
 }
@@ -74,7 +74,7 @@ DEFAULT_SEED = 0
 CORPUS_LIMIT_BYTES = 4_000_000
 HELD_OUT_FRACTION = 0.1
 
-# 60-quality.md "Numbers to reach" (bytes/param and loss are targets).
+# docs/quality.md "Numbers to reach" (bytes/param and loss are targets).
 GEFEN_BYTES_PER_PARAM = 1.05
 GEFEN_MUON_BYTES_PER_PARAM = 1.10
 LOSS_TOLERANCE = 0.02

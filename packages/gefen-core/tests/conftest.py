@@ -1,4 +1,4 @@
-"""Shared fixtures of the gefen-core tests: the fail-before-mutation check of 60-quality.md."""
+"""Shared fixtures of the gefen-core tests: the fail-before-mutation check of docs/quality.md."""
 
 from __future__ import annotations
 

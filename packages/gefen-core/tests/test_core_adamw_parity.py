@@ -1,4 +1,4 @@
-"""The AdamW verification seam (10-core.md §6.5; §12 #27)."""
+"""The AdamW verification seam (docs/core.md §6.5; §12 #27)."""
 
 from __future__ import annotations
 

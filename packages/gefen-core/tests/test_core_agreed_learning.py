@@ -1,4 +1,4 @@
-"""A rank with no local signal still learns when its scope agreed to learn (10-core.md §5.5)."""
+"""A rank with no local signal still learns when its scope agreed to learn (docs/core.md §5.5)."""
 
 from __future__ import annotations
 

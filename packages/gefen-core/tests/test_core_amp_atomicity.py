@@ -1,4 +1,4 @@
-"""Rejected gradients, AMP controls and the failed-commit latch (10-core.md §7).
+"""Rejected gradients, AMP controls and the failed-commit latch (docs/core.md §7).
 
 §12 #37–#45 and #58.
 """

@@ -1,4 +1,4 @@
-"""state_dict / load_state_dict (10-core.md §8; §12 #46–#52, #59 single-process parts)."""
+"""state_dict / load_state_dict (docs/core.md §8; §12 #46–#52, #59 single-process parts)."""
 
 from __future__ import annotations
 

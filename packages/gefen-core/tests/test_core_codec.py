@@ -1,4 +1,4 @@
-"""The block codec (10-core.md §1.1) and the codebook check (§5.4)."""
+"""The block codec (docs/core.md §1.1) and the codebook check (§5.4)."""
 
 from __future__ import annotations
 

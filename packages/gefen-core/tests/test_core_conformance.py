@@ -1,4 +1,4 @@
-"""torch.optim conformance (60-quality.md "torch optimizer conformance"; §12 #57)."""
+"""torch.optim conformance (docs/quality.md "torch optimizer conformance"; §12 #57)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The contract (10-core.md §10; §12 #54)."""
+"""The contract (docs/core.md §10; §12 #54)."""
 
 from __future__ import annotations
 

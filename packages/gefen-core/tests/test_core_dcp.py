@@ -1,4 +1,4 @@
-"""DCP get/set_optimizer_state_dict in one process (10-core.md §8.5; §12 #47, #48, #59)."""
+"""DCP get/set_optimizer_state_dict in one process (docs/core.md §8.5; §12 #47, #48, #59)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks at the edges (10-core.md §11): options are validated when a group is added or
+"""Checks at the edges (docs/core.md §11): options are validated when a group is added or
 changed, not on every step; the finiteness check is one reduction per gradient."""
 
 from __future__ import annotations
@@ -85,19 +85,19 @@ def test_finiteness_names_the_parameter_for_every_dtype(dtype, bad, rejects) -> 
 
 
 def test_state_entries_are_checked_when_they_change_not_every_step(monkeypatch, rejects) -> None:
-    import gefen.core.shell as shell
+    import gefen.core.checked as checked
 
     optimizer, p = _optimizer()
     p.grad = torch.randn_like(p)
     optimizer.step()
     calls: list[int] = []
-    original = shell.entry_matches
+    original = checked.entry_matches
 
     def counting(entry, spec):
         calls.append(1)
         return original(entry, spec)
 
-    monkeypatch.setattr(shell, "entry_matches", counting)
+    monkeypatch.setattr(checked, "entry_matches", counting)
     optimizer.step()
     optimizer.step()
     assert len(calls) <= 1  # at most the first step after the spy went in

@@ -1,4 +1,4 @@
-"""The fused-implementation registry and its selection (10-core.md §11; §12 #45, #56)."""
+"""The fused-implementation registry and its selection (docs/core.md §11; §12 #45, #56)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fused (inductor) update against the eager reference: the parity bounds of 10-core.md
+"""The fused (inductor) update against the eager reference: the parity bounds of docs/core.md
 §11 on CPU, compile-time bounds, in-place writes and fused resume (CUDA: skipped without one).
 
 These tests compile (a few seconds per graph, cached on disk afterwards), so they are few and

@@ -1,4 +1,4 @@
-"""The 4096-bin histogram, 10-core.md §5.1 (edge case §12 #17)."""
+"""The 4096-bin histogram, docs/core.md §5.1 (edge case §12 #17)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""FSDP2 / DTensor on Gloo with real ``fully_shard`` (10-core.md §7, §8.2, §8.5, §9; §12 #49, #59).
+"""FSDP2 / DTensor on Gloo with real ``fully_shard``
+(docs/core.md §7, §8.2, §8.5, §9; §12 #49, #59).
 
 All scenarios share one spawned 2-rank world (process start-up dominates on this machine).
 Scenario functions are module-level so the spawned children can load them by reference.

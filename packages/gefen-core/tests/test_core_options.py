@@ -1,4 +1,4 @@
-"""Constructor, options, groups and names (10-core.md §2; §12 #1–#11)."""
+"""Constructor, options, groups and names (docs/core.md §2; §12 #1–#11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Period selection, 10-core.md §4 (edge cases §12 #12-#16)."""
+"""Period selection, docs/core.md §4 (edge cases §12 #12-#16)."""
 
 from __future__ import annotations
 

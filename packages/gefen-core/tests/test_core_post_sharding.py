@@ -1,4 +1,5 @@
-"""``Gefen.post_sharding`` in one process (10-core.md §13; 50-dist.md §9.1, §12 single-rank parts).
+"""``Gefen.post_sharding`` in one process
+(docs/core.md §13; docs/dist.md §9.1, §12 single-rank parts).
 
 Ungrouped shards (no process group, no binding), one-member groups with a one-member
 ``CodebookProcessGroupBinding`` (no handle, no collective), and — where a rule needs two
@@ -817,7 +818,7 @@ def test_replicated_finalization_trains_exactly_like_the_unsharded_optimizer(mod
 
 
 def test_one_member_flattened_codebook_equals_the_shard_oracle() -> None:
-    """10-core.md §13 oracle over one member: the flattened shard selects its period from its
+    """docs/core.md §13 oracle over one member: the flattened shard selects its period from its
     own 1-D slice; the replicated shards contribute once; the histogram is solved."""
     setup = make("flat")
     setup.finalize()

@@ -1,4 +1,4 @@
-"""Nearest and stochastic rounding to codebook indices, 10-core.md §6.3 (§12 #29, #55)."""
+"""Nearest and stochastic rounding to codebook indices, docs/core.md §6.3 (§12 #29, #55)."""
 
 from __future__ import annotations
 

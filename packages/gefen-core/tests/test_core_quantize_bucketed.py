@@ -1,5 +1,5 @@
 """The bucketed codeword count inside ``nearest_index`` / ``stochastic_index`` equals
-``torch.searchsorted`` exactly (a faster twin of the eager reference, 10-core.md §6.3, §11)."""
+``torch.searchsorted`` exactly (a faster twin of the eager reference, docs/core.md §6.3, §11)."""
 
 from __future__ import annotations
 

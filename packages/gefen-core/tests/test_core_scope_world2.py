@@ -1,4 +1,4 @@
-"""The explicit codebook scope on a real 2-rank Gloo world (50-dist.md §9, §12; 10-core.md §13).
+"""The explicit codebook scope on a real 2-rank Gloo world (docs/dist.md §9, §12; docs/core.md §13).
 
 Every scenario builds plain tensors, tells the optimizer what they have become with
 ``post_sharding`` and a ``CodebookProcessGroupBinding`` over ``dist.group.WORLD`` (identity
@@ -34,7 +34,7 @@ from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
-DEADLINE_S = 10.0  # 50-dist.md §11: a failing operation < 10 s
+DEADLINE_S = 10.0  # docs/dist.md §11: a failing operation < 10 s
 PG_TIMEOUT_S = 30.0
 WORLD_DEADLINE_S = 600.0
 SHAPE = (8, 6)
@@ -70,7 +70,7 @@ def _dyadic_grids() -> tuple[list[float], list[float]]:
 
 
 def _table_rule(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """10-core.md §5.6 by brute force: L[i] = the lowest index j minimising |old[i] - new[j]|
+    """docs/core.md §5.6 by brute force: L[i] = the lowest index j minimising |old[i] - new[j]|
     in fp32; also the number of rows with a tie."""
     distance = (old.to(torch.float32)[:, None] - new.to(torch.float32)[None, :]).abs()
     best = distance.min(dim=1, keepdim=True).values

@@ -1,4 +1,4 @@
-"""Two disjoint codebook scopes in one 4-rank Gloo world (50-dist.md §9, §12, a MAY item).
+"""Two disjoint codebook scopes in one 4-rank Gloo world (docs/dist.md §9, §12, a MAY item).
 
 Ranks 0 and 1 form scope ``"dp0"`` (members ``("rank:0", "rank:1")``, handle
 ``dist.new_group([0, 1])``), ranks 2 and 3 scope ``"dp1"`` (``("rank:2", "rank:3")``,

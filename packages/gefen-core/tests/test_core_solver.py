@@ -1,4 +1,4 @@
-"""Codebook learning, 10-core.md §5.2-§5.3 (edge cases §12 #18-#21)."""
+"""Codebook learning, docs/core.md §5.2-§5.3 (edge cases §12 #18-#21)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The state codec: the one entry validator and allocation (10-core.md §3.2, §8.3, §8.4)."""
+"""The state codec: the one entry validator and allocation (docs/core.md §3.2, §8.3, §8.4)."""
 
 from __future__ import annotations
 

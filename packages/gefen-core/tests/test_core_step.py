@@ -1,4 +1,4 @@
-"""The step: learning, refresh, update edge cases and dtypes (10-core.md §5–§7; §12)."""
+"""The step: learning, refresh, update edge cases and dtypes (docs/core.md §5–§7; §12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The per-parameter update kernels, 10-core.md §6.1-§6.2 (§12 #28, #30-#32, #34, #35, #55)."""
+"""The per-parameter update kernels, docs/core.md §6.1-§6.2 (§12 #28, #30-#32, #34, #35, #55)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The backend/device table, the channel-device choice, the CUDA-capture query and the
-``collective`` decorator (50-dist.md §1, §3)."""
+``collective`` decorator (docs/dist.md §1, §3)."""
 
 from __future__ import annotations
 

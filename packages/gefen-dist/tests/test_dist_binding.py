@@ -1,6 +1,6 @@
 """Process-group bindings: construction, runtime validation against (monkeypatched) groups,
 identity semantics, and the one-member form that never touches torch.distributed
-(50-dist.md §7, §8)."""
+(docs/dist.md §7, §8)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The core-free parts of the codebook-scope protocol on synthetic bindings, manifests and
-records (50-dist.md §9.0–§9.2, §9.6), without gefen-core."""
+records (docs/dist.md §9.0–§9.2, §9.6), without gefen-core."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The multi-rank harness itself (50-dist.md §11.1): hangs become RankTimeout within the
+"""The multi-rank harness itself (docs/dist.md §11.1): hangs become RankTimeout within the
 deadline, helpers behave, and the Gloo mark skips cleanly. Raising workers and scenario lists
 are exercised in test_dist_world2_protocol."""
 

@@ -1,4 +1,4 @@
-"""``import gefen.dist`` works on builds without torch.distributed (50-dist.md §1)."""
+"""``import gefen.dist`` works on builds without torch.distributed (docs/dist.md §1)."""
 
 from __future__ import annotations
 

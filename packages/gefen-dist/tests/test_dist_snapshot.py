@@ -1,5 +1,5 @@
 """The deep snapshot detects every mutation a failed operation could leave behind
-(50-dist.md §11.2); the DTensor/no-collective case runs in test_dist_world2_transport."""
+(docs/dist.md §11.2); the DTensor/no-collective case runs in test_dist_world2_transport."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Transport limits, the single-member transports, the rank-local header check and the
-package-wide ban on object collectives (50-dist.md §1, §10)."""
+package-wide ban on object collectives (docs/dist.md §1, §10)."""
 
 from __future__ import annotations
 

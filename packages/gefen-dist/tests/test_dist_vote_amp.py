@@ -1,4 +1,4 @@
-"""Single-process behaviour of the vote and of the AMP parser (50-dist.md §5, §6): the empty
+"""Single-process behaviour of the vote and of the AMP parser (docs/dist.md §5, §6): the empty
 scope changes nothing about exceptions, and the parser accepts exactly GradScaler's forms."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One 2-rank Gloo world for the voting protocol: the failure vote and its messages, the
 failure scope of a 1-D CPU mesh, AMP agreement, WORLD bindings, the operation header, the
-binding-swap check, and the harness's handling of a raising scenario (50-dist.md §4–§8,
+binding-swap check, and the harness's handling of a raising scenario (docs/dist.md §4–§8,
 §11.1, §12). The scenario workers run inside spawned ranks (run_ranks loads this module there
 from its file) and return plain data that the tests assert on.
 """

@@ -1,7 +1,7 @@
 """One 2-rank Gloo world (TCP rendezvous) for transports and real sharding: owner-state
 broadcasts and record gathers, the rank-local checkpoint checks, a real ShardedGradScaler
 over fully_shard, a one-rank DTensor snapshot, and the ban on object collectives
-(50-dist.md §1, §6, §10, §11.2, §12)."""
+(docs/dist.md §1, §6, §10, §11.2, §12)."""
 
 from __future__ import annotations
 

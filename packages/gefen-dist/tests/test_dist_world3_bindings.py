@@ -1,4 +1,4 @@
-"""Bindings on a real 3-rank Gloo world (50-dist.md §7, §12): the WORLD binding validates,
+"""Bindings on a real 3-rank Gloo world (docs/dist.md §7, §12): the WORLD binding validates,
 a rotated member order or a too-small identity fails on every rank, a sub-group binding votes
 over non-contiguous global ranks, and a destroyed world is reported as uninitialised."""
 

@@ -1,4 +1,4 @@
-"""A 2x2 CPU mesh on 4 Gloo ranks (50-dist.md §4, §6, §12): mesh-dimension order, content
+"""A 2x2 CPU mesh on 4 Gloo ranks (docs/dist.md §4, §6, §12): mesh-dimension order, content
 dedup of a fresh 2-D mesh, one cross-rank order for two meshes of equal shape, and a one-rank
 failure or found_inf difference reaching all four ranks through the two dimensions' votes."""
 

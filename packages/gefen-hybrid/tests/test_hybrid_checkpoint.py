@@ -1,4 +1,4 @@
-"""GefenMuonHybrid's nested checkpoint and its atomic load (30-hybrid.md §8, §10).
+"""GefenMuonHybrid's nested checkpoint and its atomic load (docs/hybrid.md §8, §10).
 
 Every rejected load proves that neither child changed (a deep snapshot of both children, taken
 against a checkpoint from an earlier step so that a partial commit would show), that no child

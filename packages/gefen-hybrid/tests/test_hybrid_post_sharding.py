@@ -1,4 +1,5 @@
-"""``GefenMuonHybrid.post_sharding`` forwarding in one process (30-hybrid.md §6; 10-core.md §13).
+"""``GefenMuonHybrid.post_sharding`` forwarding in one process
+(docs/hybrid.md §6; docs/core.md §13).
 
 The hybrid splits the rebindings per child through its ownership registry, restricts the
 manifest per child, prepares both children (Muon first) and commits both or neither. Shards are
@@ -541,7 +542,7 @@ def test_layout_guard_through_the_hybrid_step_and_state_dict(role: str, with_gra
 
 @pytest.mark.parametrize("role", ["muon", "backup"])
 def test_layout_guard_through_the_hybrid_load(role: str) -> None:
-    """10-core.md §13: the layout guard covers load as well. The hybrid stages its children
+    """docs/core.md §13: the layout guard covers load as well. The hybrid stages its children
     through ``prepare_load_state_dict``; a finalized child whose layout changed must refuse,
     and nothing may change (the checkpoint's state must not be rebound to the impostor)."""
     setup, sd, original = _tampered(role)

@@ -1,4 +1,4 @@
-"""GefenMuonHybrid routing and construction in one process (30-hybrid.md §2–§4, §10).
+"""GefenMuonHybrid routing and construction in one process (docs/hybrid.md §2–§4, §10).
 
 Routing: substrings, embedding identity, tied heads, the INFO record and ``validate_split``.
 Construction: the three forms, the ordered checks of §3 (every rejection happens before any

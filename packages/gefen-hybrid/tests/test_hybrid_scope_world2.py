@@ -1,5 +1,5 @@
-"""GefenMuonHybrid under an explicit codebook scope on a real 2-rank Gloo world (30-hybrid.md §6;
-50-dist.md §9.3, §12).
+"""GefenMuonHybrid under an explicit codebook scope on a real 2-rank Gloo world (docs/hybrid.md §6;
+docs/dist.md §9.3, §12).
 
 The hybrid routes two matrices to its Muon child and a matrix and a vector to its Gefen backup.
 ``post_sharding`` replaces every parameter by a REPLICATED copy and installs one

@@ -1,4 +1,4 @@
-"""GefenMuonHybrid's single-process step transaction and AMP decision (30-hybrid.md §5, §7, §10).
+"""GefenMuonHybrid's single-process step transaction and AMP decision (docs/hybrid.md §5, §7, §10).
 
 Every rejection proves that neither child changed (a deep snapshot of parameters, gradients,
 groups, state, codebook, global step and latch of both children, plus the hybrid's latch) and

@@ -1,4 +1,4 @@
-"""GefenMuonHybrid's torch-facing surface in one process (30-hybrid.md §4, §5, §9, §10).
+"""GefenMuonHybrid's torch-facing surface in one process (docs/hybrid.md §4, §5, §9, §10).
 
 ``param_groups``, ``defaults``, the read-only ``state`` view, LR and momentum schedulers,
 ``deepcopy``, hooks, ``zero_grad``, the AMP-scaling property, the repr, AdamW parity and the

@@ -1,4 +1,4 @@
-"""GefenMuonHybrid's failure semantics on a 2-rank Gloo world (30-hybrid.md §6–§8, §10).
+"""GefenMuonHybrid's failure semantics on a 2-rank Gloo world (docs/hybrid.md §6–§8, §10).
 
 Every scenario builds a small language model (an ``Embedding``, bias-free hidden ``Linear``
 layers, a ``LayerNorm`` and an ``lm_head``), shards it with FSDP2 ``fully_shard`` on
@@ -34,7 +34,7 @@ from gefen.core.testing import same_or_none as _same
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
 from gefen.muon.testing import shared_mesh as _mesh
 
-DEADLINE_S = 10.0  # 20-muon.md §11: a failing operation < 10 s < process-group timeout 20 s
+DEADLINE_S = 10.0  # docs/muon.md §11: a failing operation < 10 s < process-group timeout 20 s
 PG_TIMEOUT_S = 20.0
 WORLD_DEADLINE_S = 600.0  # the whole world, generous: this machine is shared
 
@@ -394,7 +394,7 @@ def scenario_reversed(rank: int, world_size: int) -> dict[str, Any]:
             group = hybrid.muon.param_groups[0]
             group["params"].reverse()
             group["param_names"].reverse()
-            # The layout registry is derived data (30-hybrid.md §4); it follows the repair.
+            # The layout registry is derived data (docs/hybrid.md §4); it follows the repair.
             hybrid.rebuild_registry()
 
     result = _rejected_step(hybrid, model, hybrid.step, recover=recover)

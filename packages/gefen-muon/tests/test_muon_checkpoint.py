@@ -1,4 +1,4 @@
-"""Single-process checkpoint tests of GefenMuon (20-muon.md §8, §12 checkpoint items).
+"""Single-process checkpoint tests of GefenMuon (docs/muon.md §8, §12 checkpoint items).
 
 Layout, ``weights_only`` round trips, bit-exact resume, structural keys, every fail-closed rule
 that applies in one process (each with its message, nothing mutated, still trains afterwards),

@@ -1,4 +1,4 @@
-"""GefenMuon's contract (20-muon.md §10), checked against live optimizers in one process."""
+"""GefenMuon's contract (docs/muon.md §10), checked against live optimizers in one process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fused codebook8 momentum and its selection (20-muon.md §2, §6; 10-core.md §11).
+"""The fused codebook8 momentum and its selection (docs/muon.md §2, §6; docs/core.md §11).
 
 ``fused=None`` (the default) runs ``gefen.core.fused.fused_momentum`` where ``torch.compile``
 works and otherwise the eager reference with one warning; ``fused=True`` requires it (a compile
@@ -222,7 +222,7 @@ def test_kernel_cache_is_per_instance_and_never_serialized() -> None:
 
 
 def test_fused_resume_is_bit_exact() -> None:
-    """fused → fused resume from a state_dict is bit-exact (10-core.md §11)."""
+    """fused → fused resume from a state_dict is bit-exact (docs/core.md §11)."""
     params = _params(torch.bfloat16)
     optimizer = GefenMuon(params, fused=True, stochastic_round=True, **FAST)
     _run(params, optimizer, 2, seed=0)

@@ -1,4 +1,4 @@
-"""The pure kernels of ``gefen.muon`` (20-muon.md §4, §7, §12)."""
+"""The pure kernels of ``gefen.muon`` (docs/muon.md §4, §7, §12)."""
 
 from __future__ import annotations
 

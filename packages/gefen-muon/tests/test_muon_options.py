@@ -1,5 +1,5 @@
 """GefenMuon's constructor, option rules, groups, names and the step-time re-validation
-(20-muon.md §2, §3; §12 option, group and naming items). One process, plain tensors."""
+(docs/muon.md §2, §3; §12 option, group and naming items). One process, plain tensors."""
 
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ def test_fused_true_is_accepted_and_compiles_nothing_at_construction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """fused=True is checked where kernels are selected, in the step's local preflight (§2,
-    10-core.md §11): construction neither compiles nor rejects it."""
+    docs/core.md §11): construction neither compiles nor rejects it."""
     import gefen.core.fused as fused_module
 
     def never(device_type: str) -> Any:

@@ -1,4 +1,4 @@
-"""The §9 verification seams of GefenMuon (20-muon.md §9, §12).
+"""The §9 verification seams of GefenMuon (docs/muon.md §9, §12).
 
 Seam 1: with ``momentum_codec="none"`` and ``normuon=False`` GefenMuon matches
 ``torch.optim.Muon`` for every listed configuration, shape and parameter dtype, fed the same

@@ -1,5 +1,5 @@
-"""``GefenMuon.post_sharding`` in one process (20-muon.md §6 "Explicit codebook scope";
-10-core.md §13).
+"""``GefenMuon.post_sharding`` in one process (docs/muon.md §6 "Explicit codebook scope";
+docs/core.md §13).
 
 GefenMuon accepts ``REPLICATED`` and ``WHOLE_PARAMETER_OWNER`` shards and refuses a flattened or
 DTensor layout. Ungrouped shards, one-member groups with a one-member

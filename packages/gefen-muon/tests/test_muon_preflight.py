@@ -1,4 +1,4 @@
-"""The collective presence/order preflight (20-muon.md §7 and its §12 edge cases).
+"""The collective presence/order preflight (docs/muon.md §7 and its §12 edge cases).
 
 Unit tests cover the rules that need no processes (no collective without sharded parameters,
 the probe's categories and message texts, the warning once-guard); one spawned 2-rank Gloo world

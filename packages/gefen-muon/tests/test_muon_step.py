@@ -1,4 +1,4 @@
-"""GefenMuon's single-process step (20-muon.md §4–§6, §12; 10-core.md §7).
+"""GefenMuon's single-process step (docs/muon.md §4–§6, §12; docs/core.md §7).
 
 Every rejection proves that nothing changed (a deep snapshot of parameters, gradients, groups,
 state, codebook, global step and latch) and that the optimizer still trains afterwards.
@@ -344,7 +344,7 @@ def test_none_entry_has_period_one_and_no_codebook() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Step-time rejections (10-core.md §7.2): nothing mutated, still trains
+# Step-time rejections (docs/core.md §7.2): nothing mutated, still trains
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-step", "later-step"])

@@ -1,4 +1,4 @@
-"""The read-only phase 4 and the streamed commit (20-muon.md §6 phases 4–5, 10-core.md §7.1).
+"""The read-only phase 4 and the streamed commit (docs/muon.md §6 phases 4–5, docs/core.md §7.1).
 
 Phase 4 (``_prepare_step``) reads: it writes no state and its plan holds no tensor but the
 parameters themselves. Phase 5 (``_commit_step``) updates one matrix at a time in place: an

@@ -1,4 +1,4 @@
-"""GefenMuon's failure semantics on a 2-rank Gloo world (20-muon.md §6, §7, §11, §12).
+"""GefenMuon's failure semantics on a 2-rank Gloo world (docs/muon.md §6, §7, §11, §12).
 
 Every step scenario shards a real module with FSDP2 ``fully_shard`` on ``init_device_mesh("cpu",
 (2,))``, takes gradients from a backward pass or assigns them as ``distribute_tensor(g, mesh,
@@ -32,7 +32,7 @@ from gefen.core.testing import same_or_none as _same
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios
 from gefen.muon.testing import shared_mesh as _mesh
 
-DEADLINE_S = 10.0  # 20-muon.md §11: a failing operation < 10 s < process-group timeout 20 s
+DEADLINE_S = 10.0  # docs/muon.md §11: a failing operation < 10 s < process-group timeout 20 s
 PG_TIMEOUT_S = 20.0
 WORLD_DEADLINE_S = 600.0  # the whole world, generous: this machine is shared
 

@@ -1,4 +1,4 @@
-"""GefenMuon's sharded-mode numerics and checkpoints on a 2-rank Gloo world (20-muon.md §7, §8,
+"""GefenMuon's sharded-mode numerics and checkpoints on a 2-rank Gloo world (docs/muon.md §7, §8,
 §11 and the matching §12 edge cases).
 
 Every step scenario shards bias-free ``nn.Linear`` layers with FSDP2 ``fully_shard`` on
@@ -187,7 +187,7 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
     assert sd is not None
     unchanged = mt.changes(optimizer, before)
     manifest = sd["gefen"]["muon_distributed"]
-    # As in torch, the saved tensors are the live ones (10-core.md §8.1): digest them now,
+    # As in torch, the saved tensors are the live ones (docs/core.md §8.1): digest them now,
     # before the in-place steps below move the owner's entries.
     digests = {i: mt.digest(entry) for i, entry in sd["state"].items()}
     saved_owner_equal = [

@@ -1,4 +1,4 @@
-"""GefenMuon's sharded modes on a 4-rank Gloo world (20-muon.md §7, §8, §11 and the matching
+"""GefenMuon's sharded modes on a 4-rank Gloo world (docs/muon.md §7, §8, §11 and the matching
 §12 edge cases): ``"distributed"`` equals ``"exact"`` bitwise at world 4, and a distributed
 checkpoint saved on a 2-rank process group resumes at world 4.
 
@@ -45,7 +45,7 @@ def scenario_world2_save_resumes_at_world4(rank: int, world: int) -> dict[str, A
     assert save_error is None, save_error
     assert sd is not None
     save_changes = mt.changes(pair, before)
-    # As in torch, the saved tensors are the live ones (10-core.md §8.1): digest them now,
+    # As in torch, the saved tensors are the live ones (docs/core.md §8.1): digest them now,
     # before the in-place steps below move the owner's entries.
     digests = {i: mt.digest(entry) for i, entry in sd["state"].items()}
     saved_params = mt.full_params(pair_model)

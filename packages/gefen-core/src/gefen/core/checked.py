@@ -1,4 +1,4 @@
-"""What a step checks only when it changed (10-core.md §11, "checks at the edges").
+"""What a step checks only when it changed (docs/core.md §11, "checks at the edges").
 
 The shell re-validates a group's options, or re-matches a state entry against its parameter,
 only when the token or signature computed here differs from the one that last passed. Both
@@ -8,14 +8,23 @@ are cheap to compute and compare identities (and versions, for tensors), never t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from gefen.core.validation import local_tensor
+from gefen.core.state import entry_matches, is_initialized
+from gefen.core.validation import local_tensor, parameter_label
 from gefen.dist.torch_internals import tensor_version
 
-__all__ = ["entry_signature", "options_token"]
+if TYPE_CHECKING:
+    from gefen.core.participant import ShellInterface
+
+__all__ = [
+    "entry_signature",
+    "match_changed_entries",
+    "options_token",
+    "revalidate_changed_groups",
+]
 
 
 def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -61,3 +70,42 @@ def entry_signature(
             values.append((key, value))
     identity = (id(param), id(group), id(entry), id(local), local.shape, param.dim())
     return (identity, tuple(values), _Held(tuple(held)))
+
+
+def match_changed_entries(
+    optimizer: ShellInterface, previous: Mapping[int, tuple[Any, ...]]
+) -> dict[int, tuple[Any, ...]]:
+    """The state match of §7.2 for every entry whose signature differs from ``previous`` (by
+    parameter id); raises ``RuntimeError`` naming the first that no longer fits its parameter.
+    Returns the signatures that matched, for the next step."""
+    matched: dict[int, tuple[Any, ...]] = {}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for position, param in enumerate(group["params"]):
+            entry = optimizer.state.get(param)  # a parameter replaced in a group has none yet
+            if entry is None or (entry.get("period", 0) == 0 and not is_initialized(entry)):
+                continue
+            signature = entry_signature(group, param, entry)
+            if previous.get(id(param)) != signature:
+                reason = entry_matches(entry, optimizer.entry_spec(group, param))
+                if reason is not None:
+                    label = parameter_label(group, group_index, position)
+                    raise RuntimeError(
+                        f"parameter {label}: state does not match parameter ({reason})"
+                    )
+            matched[id(param)] = signature
+    return matched
+
+
+def revalidate_changed_groups(
+    optimizer: ShellInterface, previous: Mapping[int, tuple[Any, tuple[Any, ...]]]
+) -> dict[int, tuple[Any, tuple[Any, ...]]]:
+    """§2.2 at the edges: ``validate_group`` for each group whose options token differs from
+    the one that last passed (by group id); returns the tokens that passed."""
+    passed: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+    for group in optimizer.param_groups:
+        token = options_token(group)
+        seen = previous.get(id(group))
+        if seen is None or seen[0] is not group or seen[1] != token:
+            optimizer.validate_group(group)
+        passed[id(group)] = (group, token)
+    return passed

@@ -1,4 +1,4 @@
-"""The checkpoint transaction of the shell (10-core.md §8.1–§8.3).
+"""The checkpoint transaction of the shell (docs/core.md §8.1–§8.3).
 
 ``build_state_dict`` emits torch's layout plus the ``"gefen"`` extras, mirrored into every
 group. ``prepare_load`` copies the caller's containers, runs the load pre-hooks on the copy,
@@ -63,7 +63,7 @@ def check_checkpoint_binding(
     checkpoint_binding: object, installed: ProcessGroupBinding | None
 ) -> None:
     """A ``checkpoint_binding`` must match the installed codebook binding exactly, same
-    handle object (50-dist.md §7, §8.2 step 5); None checks nothing."""
+    handle object (docs/dist.md §7, §8.2 step 5); None checks nothing."""
     if checkpoint_binding is None:
         return
     if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
@@ -181,7 +181,7 @@ class PreparedLoad:
     rank_local: dict[str, Any] | None
 
     def agree(self, operation: GuardedOperation) -> None:
-        """Symmetric checks on gathered data (the rank-local records, 50-dist.md §10.3)."""
+        """Symmetric checks on gathered data (the rank-local records, docs/dist.md §10.3)."""
         if self.rank_local is not None and len(operation.scope) > 0:
             check_rank_local_records(
                 self.rank_local,
@@ -423,7 +423,7 @@ def _check_counters(
 
 
 def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLoad:
-    """Copy, run the pre-hooks on the copy, validate, and stage (10-core.md §8.2 step 1)."""
+    """Copy, run the pre-hooks on the copy, validate, and stage (docs/core.md §8.2 step 1)."""
     copied = copy_with_load_pre_hooks(optimizer, copy_containers(sd))
     loader = _Loader(optimizer, copied)
     state, groups, identifiers = loader.structure()

@@ -1,6 +1,6 @@
 """The shell's codebook operations: learning in a step, ``initialize_codebook`` and
-``refresh_codebook`` (10-core.md §5.5–§5.6), unscoped or under an explicit codebook scope
-(50-dist.md §9.3–§9.5).
+``refresh_codebook`` (docs/core.md §5.5–§5.6), unscoped or under an explicit codebook scope
+(docs/dist.md §9.3–§9.5).
 
 Everything here stages; publication happens in one place (``publish``), inside the shell's
 commit or right after an agreed initialize/refresh, and a failure there latches.

@@ -1,4 +1,4 @@
-"""The compiled (inductor) implementation of the fused update (10-core.md §11).
+"""The compiled (inductor) implementation of the fused update (docs/core.md §11).
 
 The functions of ``gefen.core.kernels.fused_update`` compiled with ``torch.compile(fullgraph=
 True, dynamic=True)`` and called over chunks of whole blocks (``CHUNK_ELEMENTS``), so the extra

@@ -1,4 +1,4 @@
-"""``Gefen.optimizer_contract()`` (10-core.md §10): a pure read of the live options.
+"""``Gefen.optimizer_contract()`` (docs/core.md §10): a pure read of the live options.
 
 The variants follow the state codec of ``gefen.core.state``: ``uninitialized`` holds only the
 period; the initialized variants are limited to the live codec and to the families the live

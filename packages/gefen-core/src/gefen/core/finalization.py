@@ -1,4 +1,4 @@
-"""Post-sharding finalization: the entry point of the explicit codebook scope (10-core.md §13).
+"""Post-sharding finalization: the entry point of the explicit codebook scope (docs/core.md §13).
 
 An adapter that shards a model after the optimizer was built tells the optimizer, once, what
 each original slot has become. ``prepare_finalization`` checks the preconditions and every

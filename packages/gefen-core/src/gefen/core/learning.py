@@ -1,4 +1,4 @@
-"""Codebook learning, period staging and the refresh transaction (10-core.md §4–§5).
+"""Codebook learning, period staging and the refresh transaction (docs/core.md §4–§5).
 
 Everything here stages: it returns new periods, a new codebook and remapped codes, and writes
 nothing. The shell publishes the result in its commit phase, so a failure while staging leaves

@@ -1,4 +1,4 @@
-"""Load staging of per-parameter entries (10-core.md §8.3 entries, §8.4 family migration).
+"""Load staging of per-parameter entries (docs/core.md §8.3 entries, §8.4 family migration).
 
 Each saved entry is checked by the one validator ``validate_entry``, copied to its parameter's
 device in its saved dtype (torch's base loader would cast floating state to the parameter

@@ -1,5 +1,5 @@
 """``Gefen``: a drop-in replacement for ``torch.optim.AdamW`` with about 1 byte of state per
-parameter (10-core.md §2, §3, §6). The step and load transactions are the shell's; this class
+parameter (docs/core.md §2, §3, §6). The step and load transactions are the shell's; this class
 supplies the options, the per-parameter state codec and the update.
 """
 
@@ -51,6 +51,8 @@ class _PlannedUpdate:
     period: int
     scalars: StepScalars
     updater: Updater | None  # the kernel phase 1 selected (None: the eager reference)
+    local: Tensor  # the parameter's local tensor
+    entry: dict[str, Any] | None  # its entry when already live (no allocation, move, migration)
 
 
 class Gefen(OptimizerShell):
@@ -181,7 +183,18 @@ class Gefen(OptimizerShell):
 
     def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
         """Phase 4: which parameters update, with what scalars; reads only (tensor lrs once per
-        group). The plan holds no tensor proportional to the model."""
+        group). The plan holds no tensor proportional to the model. While the steady-state token
+        is the one the plan was built under and nothing is learned, the plan is reused: the same
+        parameters, entries, kernels and option values (gefen.core.steady)."""
+        steady = self.__dict__.get("_steady")
+        cached = self.__dict__.get("_plan")
+        if (
+            cached is not None
+            and cached[0] is steady
+            and steady is not None
+            and not learning.periods
+        ):
+            return cached[1]
         plan: list[_PlannedUpdate] = []
         stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
         index = -1
@@ -212,20 +225,36 @@ class Gefen(OptimizerShell):
                 period = learning.periods.get(index, live)
                 updater = self._kernel(group, param)
                 position_of = (group_index, position)
-                plan.append(_PlannedUpdate(param, group, position_of, period, scalars, updater))
+                entry = self._entry_if_live(group, param)
+                plan.append(
+                    _PlannedUpdate(
+                        param, group, position_of, period, scalars, updater,
+                        local_tensor(param), entry,
+                    )
+                )  # fmt: skip
+        # Seeds move with the global step: a stochastic plan is rebuilt every step.
+        self._plan = None if stochastic or steady is None else (steady, plan)
         return plan
+
+    def _entry_if_live(self, group: Mapping[str, Any], param: Tensor) -> dict[str, Any] | None:
+        """The parameter's entry when it needs no allocation, migration or move, else None."""
+        entry: dict[str, Any] | None = self.state.get(param)
+        if entry is None or not is_initialized(entry):
+            return None
+        device = local_tensor(param).device
+        if entry_family(entry) != self._family(group, param) or any(
+            value.device != device for value in entry.values() if isinstance(value, Tensor)
+        ):
+            return None
+        return entry
 
     def _live_entry(self, planned: _PlannedUpdate) -> dict[str, Any]:
         """The parameter's own entry, allocated, migrated or moved to its device as needed."""
         param, group = planned.param, planned.group
         entry: dict[str, Any] = self.state[param]
+        if self._entry_if_live(group, param) is not None:
+            return entry  # live after all (it was allocated by an earlier plan item)
         device = local_tensor(param).device
-        if (
-            is_initialized(entry)
-            and entry_family(entry) == self._family(group, param)
-            and all(value.device == device for value in entry.values() if isinstance(value, Tensor))
-        ):
-            return entry  # the usual case: nothing to allocate, migrate or move
         spec = self.entry_spec(group, param)
         if not is_initialized(entry):
             fresh = allocate_entry(
@@ -251,27 +280,42 @@ class Gefen(OptimizerShell):
 
     def _commit_step(self, plan: Any) -> None:
         """Phase 5: one parameter at a time, its state and value updated in their own storage."""
-        codebooks: dict[torch.device, Tensor] = {}
-        # The scalars with the codebook on the parameter's device, once per (scalars, device).
-        with_codebook: dict[tuple[int, torch.device], StepScalars] = {}
+        with_codebook = self._scalars_with_codebook(plan)
         for planned in plan:
-            entry = self._live_entry(planned)
-            local = local_tensor(planned.param)
+            entry = planned.entry if planned.entry is not None else self._live_entry(planned)
+            grad = planned.param.grad
+            if type(grad) is not Tensor:
+                grad = local_tensor(grad)
             scalars = planned.scalars
-            if self.uses_codebook:
-                assert self._codebook is not None
-                device = local.device
-                key = (id(scalars), device)
-                if key not in with_codebook:
-                    if device not in codebooks:
-                        codebooks[device] = self._codebook.to(device)
-                    with_codebook[key] = StepScalars(
-                        scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                        codebooks[device], scalars.seed,
-                    )  # fmt: skip
-                scalars = with_codebook[key]
-            grad = local_tensor(planned.param.grad)
-            (planned.updater or eager_update_)(local, grad, entry, scalars)
+            if with_codebook is not None:
+                scalars = with_codebook[(id(scalars), planned.local.device)]
+            (planned.updater or eager_update_)(planned.local, grad, entry, scalars)
+
+    def _scalars_with_codebook(
+        self, plan: list[_PlannedUpdate]
+    ) -> dict[tuple[int, torch.device], StepScalars] | None:
+        """Each plan scalars with the codebook on each device it is used on (None: codec
+        "none"); kept while the plan and the codebook are the same objects."""
+        codebook = self._codebook
+        if not self.uses_codebook:
+            return None
+        assert codebook is not None
+        cached = self.__dict__.get("_bound_scalars")
+        if cached is not None and cached[0] is plan and cached[1] is codebook:
+            return cached[2]  # type: ignore[no-any-return]
+        codebooks: dict[torch.device, Tensor] = {}
+        bound: dict[tuple[int, torch.device], StepScalars] = {}
+        for planned in plan:
+            scalars, device = planned.scalars, planned.local.device
+            if (id(scalars), device) not in bound:
+                if device not in codebooks:
+                    codebooks[device] = codebook.to(device)
+                bound[(id(scalars), device)] = StepScalars(
+                    scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
+                    codebooks[device], scalars.seed,
+                )  # fmt: skip
+        self._bound_scalars = (plan, codebook, bound)
+        return bound
 
     # -- contract (§10) ---------------------------------------------------------------------
 

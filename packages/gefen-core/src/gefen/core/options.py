@@ -1,4 +1,4 @@
-"""Option validation (10-core.md §2.1–§2.2): the first failing rule raises.
+"""Option validation (docs/core.md §2.1–§2.2): the first failing rule raises.
 
 The checks run at construction, in ``add_param_group``, for every group in the step preflight
 and on load; they only read the group (a list ``betas`` is accepted and normalised by the

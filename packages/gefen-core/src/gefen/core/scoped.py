@@ -1,4 +1,4 @@
-"""Codebook learning and refresh under an explicit codebook scope (50-dist.md §9.3–§9.6).
+"""Codebook learning and refresh under an explicit codebook scope (docs/dist.md §9.3–§9.6).
 
 Every member of the scope enters the same sequence, whatever its local gradients: a voted local
 phase that stages periods and builds the histogram and the contribution records, one gather of
@@ -129,7 +129,7 @@ def scoped_refresh_table(
 
 
 def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
-    """The step header's payload words (50-dist.md §9.2); None while no binding is installed."""
+    """The step header's payload words (docs/dist.md §9.2); None while no binding is installed."""
     finalized = optimizer.finalized
     if optimizer.binding is None or finalized is None:
         return None

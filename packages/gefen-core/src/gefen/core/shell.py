@@ -1,4 +1,4 @@
-"""The shared optimizer shell of ``Gefen`` and ``GefenMuon`` (10-core.md §1.1, §2.3, §7).
+"""The shared optimizer shell of ``Gefen`` and ``GefenMuon`` (docs/core.md §1.1, §2.3, §7).
 
 ``OptimizerShell`` owns the parameter groups and names, the ``{"period": 0}`` placeholder, the
 step template (local preflight, one vote, AMP agreement, preparation, commit), codebook
@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from gefen.contracts import ParameterLayout, ShardingManifest
 from gefen.core import codebook_ops
-from gefen.core.checked import entry_signature, options_token
+from gefen.core.checked import match_changed_entries, options_token, revalidate_changed_groups
 from gefen.core.checkpoint import (
     PreparedLoad,
     build_state_dict,
@@ -35,7 +35,8 @@ from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import check_optimizer_wide
 from gefen.core.scoped import scope_header_payload
 from gefen.core.sharded_layout import Finalized, ParameterRebinding
-from gefen.core.state import CodecKeys, EntrySpec, entry_matches, is_initialized
+from gefen.core.state import CodecKeys, EntrySpec, entries_nbytes
+from gefen.core.steady import SteadyToken, plain_parameters, same_token, step_token
 from gefen.core.transaction import (
     STEP_SIGNATURE,
     HookedStepState,
@@ -45,8 +46,6 @@ from gefen.core.transaction import (
 from gefen.core.validation import (
     amp_scaling_supported,
     check_finite_gradients,
-    local_tensor,
-    parameter_label,
     validate_gradient_structure,
 )
 from gefen.dist import (
@@ -60,7 +59,7 @@ from gefen.dist.codebook_scope import (
     HEADER_WORD_NAMES,
     OP_STEP,
 )
-from gefen.dist.torch_internals import HOOK_REGISTRIES, state_dict_with_hooks
+from gefen.dist.torch_internals import HOOK_REGISTRIES, set_grad_enabled, state_dict_with_hooks
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 
@@ -68,13 +67,13 @@ _LATCHED = "previous step failed during commit; load a checkpoint with load_stat
 
 
 class OptimizerShell(HookedStepState, Optimizer):
-    """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (10-core.md §1.1)."""
+    """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (docs/core.md §1.1)."""
 
     OWNER_NAME: ClassVar[str] = "OptimizerShell"
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = ()
     CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")
-    # GefenMuon: every parameter must stay 2-D, even without a gradient (20-muon.md §6).
+    # GefenMuon: every parameter must stay 2-D, even without a gradient (docs/muon.md §6).
     REQUIRE_2D: ClassVar[bool] = False
     # The attributes __getstate__ copies (a whitelist: never an instance-level `step` wrapper).
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
@@ -88,7 +87,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         "_finalized",
         *HOOK_REGISTRIES,
     )
-    # The layouts post_sharding accepts (10-core.md §13); GefenMuon overrides.
+    # The layouts post_sharding accepts (docs/core.md §13); GefenMuon overrides.
     POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
         ParameterLayout.REPLICATED,
         ParameterLayout.FLATTENED_ELEMENT_SHARD,
@@ -106,9 +105,10 @@ class OptimizerShell(HookedStepState, Optimizer):
         self._binding: ProcessGroupBinding | None = None
         self._finalized: Finalized | None = None
         self._kernels = KernelSelector()
+        self._steady: SteadyToken | None = None  # gefen.core.steady: what the last checks passed
         super().__init__(params, defaults)
 
-    # -- extension points (10-core.md §1.1) -------------------------------------------------
+    # -- extension points (docs/core.md §1.1) -------------------------------------------------
 
     def validate_group(self, group: Mapping[str, Any]) -> None:
         """Option checks of one group (§2.2); raise on the first failing rule."""
@@ -120,30 +120,15 @@ class OptimizerShell(HookedStepState, Optimizer):
         An entry is checked when it or its parameter changed since it last matched (new entry
         objects after a load, a replaced tensor, a swapped ``p.data``, a changed group), not on
         every step: the commit writes entries in place, so a matched entry stays matched."""
-        matched: dict[int, tuple[Any, ...]] = {}
         previous = self.__dict__.get("_matched_entries", {})
-        for group_index, group in enumerate(self.param_groups):
-            for position, param in enumerate(group["params"]):
-                entry = self.state.get(param)  # a parameter replaced in a group has none yet
-                if entry is None or (entry.get("period", 0) == 0 and not is_initialized(entry)):
-                    continue
-                signature = entry_signature(group, param, entry)
-                if previous.get(id(param)) != signature:
-                    reason = entry_matches(entry, self.entry_spec(group, param))
-                    if reason is not None:
-                        label = parameter_label(group, group_index, position)
-                        raise RuntimeError(
-                            f"parameter {label}: state does not match parameter ({reason})"
-                        )
-                matched[id(param)] = signature
-        self._matched_entries = matched
+        self._matched_entries = match_changed_entries(self, previous)
 
     def checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         """Optional extras keys of this optimizer, from the entries ``state_dict`` emits."""
         return {}
 
     def rank_local_checkpoint(self) -> bool:
-        """Whether checkpoints are rank-local (carry ``"rank_local"``, 50-dist.md §10.3)."""
+        """Whether checkpoints are rank-local (carry ``"rank_local"``, docs/dist.md §10.3)."""
         return "rank_local" in self.OPTIONAL_EXTRAS and len(self.step_failure_scope()) > 0
 
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
@@ -232,44 +217,50 @@ class OptimizerShell(HookedStepState, Optimizer):
     def guarded_operation(self) -> GuardedOperation:
         if self._binding is not None:
             return GuardedOperation(self.OWNER_NAME, binding_getter=lambda: self._binding)
-        return GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
+        # Plain tensors only: the scope is empty and the operation stateless, so reuse it.
+        local = self.__dict__.get("_local_operation")
+        if local is not None and plain_parameters(self.param_groups):
+            return local  # type: ignore[no-any-return]
+        op = GuardedOperation(self.OWNER_NAME, scope=self.step_failure_scope())
+        self._local_operation = op if not op.scope and plain_parameters(self.param_groups) else None
+        return op
 
     def check_latch(self) -> None:
         if self._commit_failed:
             raise RuntimeError(f"{self.OWNER_NAME}: {_LATCHED}")
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
-        """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels."""
+        """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels; the
+        structural ones only when the steady-state token changed (``gefen.core.steady``)."""
         self.check_latch()
-        self._check_finalized_layout()
-        self._validate_changed_groups()
-        validate_gradient_structure(
-            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
-        )
-        self._check_local_inputs()
-        self._select_kernels()
+        token = None
+        if self._binding is None:
+            token = step_token(self.param_groups, self.state, self.defaults)
+        if not same_token(token, self.__dict__.get("_steady")):
+            self._steady = None
+            self._check_finalized_layout()
+            self._validate_changed_groups()
+            validate_gradient_structure(
+                self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
+            )
+            self._check_local_inputs()
+            self._select_kernels()
+            self._steady = token  # what passed; the plan and learning caches key on it
         if self.defaults.get("check_finite", True) and not amp_present:
             check_finite_gradients(self.param_groups)
 
     def _validate_changed_groups(self) -> None:
         """§2.2 at the edges: a group's options are re-validated only when one of them changed
         since they last passed (a new value, or a tensor lr written in place), not every step."""
-        passed: dict[int, tuple[dict[str, Any], tuple[Any, ...]]] = {}
         previous = self.__dict__.get("_validated_options", {})
-        for group in self.param_groups:
-            token = options_token(group)
-            seen = previous.get(id(group))
-            if seen is None or seen[0] is not group or seen[1] != token:
-                self.validate_group(group)
-            passed[id(group)] = (group, token)
-        self._validated_options = passed
+        self._validated_options = revalidate_changed_groups(self, previous)
 
     def step_header_payload(self) -> list[int] | None:
-        """The payload words of 50-dist.md §9.2; None while no binding is installed."""
-        return scope_header_payload(self)
+        """The payload words of docs/dist.md §9.2; None while no binding is installed."""
+        return None if self._binding is None else scope_header_payload(self)
 
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
-        """Scoped: the step's operation header (50-dist.md §9.3 step 3)."""
+        """Scoped: the step's operation header (docs/dist.md §9.3 step 3)."""
         if op.binding is not None and payload is not None:
             op.header(OP_STEP, payload, HEADER_WORD_NAMES)
 
@@ -299,7 +290,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         manifest: ShardingManifest,
         codebook_process_group: CodebookProcessGroupBinding | None = None,
     ) -> None:
-        """Tell the optimizer, once, what each slot has become (10-core.md §13)."""
+        """Tell the optimizer, once, what each slot has become (docs/core.md §13)."""
         prepared = self.prepare_post_sharding(
             rebindings, manifest=manifest, codebook_process_group=codebook_process_group
         )
@@ -328,6 +319,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         self.state.update(state)
         self._binding = finalized.binding
         self._finalized = finalized
+        self._steady = None
 
     def check_step_agreement(self) -> None:
         """Symmetric agreement checks after the vote: none for Gefen."""
@@ -335,12 +327,16 @@ class OptimizerShell(HookedStepState, Optimizer):
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
         """Phases 4–5 only: stage (collectives allowed), then commit; a commit failure latches."""
         op = operation if operation is not None else self.guarded_operation()
-        with torch.no_grad():
+        grad_enabled = torch.is_grad_enabled()
+        set_grad_enabled(False)  # torch.no_grad() without its Python context-manager calls
+        try:
             learning = self._stage_step_learning(op)
             if learning.noop:
                 return
             plan = self._prepare_step(op, learning)
             self._commit(learning, plan)
+        finally:
+            set_grad_enabled(grad_enabled)
 
     # -- the step template (§7.1) -----------------------------------------------------------
 
@@ -354,14 +350,29 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     step.__signature__ = STEP_SIGNATURE  # type: ignore[attr-defined]
 
-    # -- codebook learning and refresh (§5.5, §5.6; scoped: 50-dist.md §9.3–§9.5) ------------
+    # -- codebook learning and refresh (§5.5, §5.6; scoped: docs/dist.md §9.3–§9.5) ------------
 
     @property
     def uses_codebook(self) -> bool:
         return bool(self.defaults.get("momentum_codec", "codebook8") == "codebook8")
 
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
-        return codebook_ops.stage_step_learning(self, op)
+        """Learning of §5.5–§5.6; skipped while the steady-state token and the codebook are those
+        of a step that had nothing to learn and no refresh is due."""
+        steady, codebook = self.__dict__.get("_steady"), self._codebook
+        idle = self.__dict__.get("_learning_idle")
+        if (
+            steady is not None
+            and idle is not None
+            and idle[0] is steady
+            and idle[1] is codebook
+            and not codebook_ops.refresh_due(self)
+        ):
+            return StagedLearning()
+        learning = codebook_ops.stage_step_learning(self, op)
+        nothing = not (learning.noop or learning.periods or learning.codebook is not None)
+        self._learning_idle = (steady, codebook) if nothing and steady is not None else None
+        return learning
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
         """Phase 5: publish, update, count. Any failure latches (§7.4)."""
@@ -377,6 +388,8 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Write what codebook learning staged (periods, remapped codes, the codebook); the
         publication step of a step, an ``initialize_codebook`` or a ``refresh_codebook``. A
         failure part-way latches."""
+        if not learning.periods and learning.remap is None and learning.codebook is None:
+            return
         try:
             codebook_ops.publish(self, learning)
             if learning.codebook is not None:
@@ -419,13 +432,7 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def state_nbytes(self) -> int:
         """Persistent state bytes (§2.4): every entry tensor, plus 1024 with a codebook; pure."""
-        total = sum(
-            local_tensor(value).numel() * value.element_size()
-            for entry in self.state.values()
-            for value in entry.values()
-            if isinstance(value, Tensor)
-        )
-        return total + (1024 if self._codebook is not None else 0)
+        return entries_nbytes(self.state.values()) + (1024 if self._codebook is not None else 0)
 
     @property
     def global_step(self) -> int:
@@ -469,6 +476,7 @@ class OptimizerShell(HookedStepState, Optimizer):
         self._global_step = global_step
         self._codebook = codebook
         self._commit_failed = False
+        self._steady = None
 
     def _check_checkpoint_binding(self, checkpoint_binding: object) -> None:
         """Gefen: it must match the installed codebook binding; GefenMuon overrides."""
@@ -488,6 +496,7 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def _restore_derived(self) -> None:
         self._kernels = KernelSelector()
+        self._steady = None
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self._warned_capturable_if_run_uncaptured = True
 

@@ -1,4 +1,4 @@
-"""The per-parameter state codec of ``gefen.core`` (10-core.md §3, §8.3).
+"""The per-parameter state codec of ``gefen.core`` (docs/core.md §3, §8.3).
 
 The codebook check of §5.4, the description of one parameter's entry (``CodecKeys``,
 ``EntrySpec``), its allocation, the one entry validator of §8.3 (``validate_entry``) and the
@@ -8,12 +8,14 @@ use these functions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from gefen.core.validation import local_tensor
 
 __all__ = [
     "CODEBOOK_SIZE",
@@ -23,6 +25,7 @@ __all__ = [
     "EntrySpec",
     "allocate_entry",
     "copy_entry",
+    "entries_nbytes",
     "entry_family",
     "entry_matches",
     "is_initialized",
@@ -36,7 +39,7 @@ CODEBOOK_SIZE = 256
 
 
 def validate_codebook(cb: object) -> None:
-    """Raise ValueError unless ``cb`` is a valid learned or loaded codebook (10-core.md §5.4).
+    """Raise ValueError unless ``cb`` is a valid learned or loaded codebook (docs/core.md §5.4).
 
     The rules, checked in this order: a torch.Tensor with the strided layout; float32; 1-D; 256
     values; all finite; strictly increasing; ``cb[0] == -1.0``; ``cb[255] == +1.0``. The message
@@ -83,7 +86,7 @@ class CodecKeys:
 
 @dataclass(frozen=True)
 class EntrySpec:
-    """The ``validate_entry`` keyword arguments for one live parameter (10-core.md §1.1).
+    """The ``validate_entry`` keyword arguments for one live parameter (docs/core.md §1.1).
 
     ``numel`` is N as the optimizer defines it; ``matrix_shape`` is set only where the factored
     family is possible (a plain 2-D tensor); ``dense_shape=None`` means the (B, P) block grid;
@@ -322,7 +325,7 @@ def validate_entry(
     extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     recorded_ints: Mapping[str, int] | None = None,
 ) -> str:
-    """The one entry validator (10-core.md §8.3); returns the matched variant name.
+    """The one entry validator (docs/core.md §8.3); returns the matched variant name.
 
     Variants: ``"uninitialized"`` (pristine or period-selected), ``"q8_block"``,
     ``"q8_factored"``, ``"fp32_block"``, ``"fp32_factored"``; without a second moment
@@ -403,3 +406,13 @@ def migrate_family(
     migrated.update(_family_tensors(spec.second_moment, spec, blocks, device))
     migrated["v_step"] = 0
     return migrated
+
+
+def entries_nbytes(entries: Iterable[Mapping[str, Any]]) -> int:
+    """Bytes of every tensor in ``entries`` (a DTensor counts its local shard)."""
+    total = 0
+    for entry in entries:
+        for value in entry.values():
+            if isinstance(value, Tensor):
+                total += local_tensor(value).numel() * value.element_size()
+    return total

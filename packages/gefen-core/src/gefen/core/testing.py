@@ -1,4 +1,4 @@
-"""Test support for optimizers built on ``gefen.core`` (50-dist.md §11.2).
+"""Test support for optimizers built on ``gefen.core`` (docs/dist.md §11.2).
 
 ``SNAPSHOT_ATTRIBUTES`` names the optimizer-level facts a deep snapshot must cover besides
 parameters, gradients, groups and state: the codebook, the global step and the latch;

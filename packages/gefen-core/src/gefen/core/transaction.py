@@ -1,4 +1,4 @@
-"""The step and load transactions, written once (00-architecture.md; 10-core.md §7.1, §8.2).
+"""The step and load transactions, written once (docs/architecture.md; docs/core.md §7.1, §8.2).
 
 ``run_step`` is the step template of every Gefen optimizer and of composites built from them
 (``GefenMuonHybrid``): one rank-local preflight (pre-hooks, closure, checks) voted once over the
@@ -26,6 +26,7 @@ from gefen.dist import (
 from gefen.dist.torch_internals import (
     HOOK_REGISTRIES,
     fresh_hook_registries,
+    set_grad_enabled,
     step_post_hooks,
     step_pre_hooks,
 )
@@ -44,7 +45,7 @@ __all__ = [
 
 
 class HookedStepState:
-    """Mixin for optimizers whose ``step`` fires the hooks itself (10-core.md §2.4).
+    """Mixin for optimizers whose ``step`` fires the hooks itself (docs/core.md §2.4).
 
     Every ``step`` override is marked ``hooked`` so torch's ``_patch_step_function`` never wraps
     it again, and pickling copies an explicit whitelist (never an instance-level ``step``
@@ -168,7 +169,8 @@ def run_step(
     to Python attributes (the global step, the codebook), so a compiled training loop would
     silently stop training. It runs eagerly there (one graph break) and runs its own compiled
     kernels."""
-    STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
+    if len(call_args) > 1 or (call_kwargs and (call_args or set(call_kwargs) != {"closure"})):
+        STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
     op = optimizer.guarded_operation()
     args: tuple[Any, ...] = (optimizer, *call_args)
     kwargs: dict[str, Any] = dict(call_kwargs)
@@ -178,8 +180,12 @@ def run_step(
     optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
     try:
-        with torch.no_grad():
+        grad_enabled = torch.is_grad_enabled()
+        set_grad_enabled(False)  # torch.no_grad() without its Python context-manager frames
+        try:
             proceed = prepare_synchronized_amp_step(optimizer, op.scope, optimizer.OWNER_NAME)
+        finally:
+            set_grad_enabled(grad_enabled)
         if proceed:
             optimizer.apply_prepared_step(operation=op)
     except BaseException:

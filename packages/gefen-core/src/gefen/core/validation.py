@@ -1,4 +1,4 @@
-"""Rank-local gradient checks shared by every Gefen optimizer (10-core.md §7.2, §1.1).
+"""Rank-local gradient checks shared by every Gefen optimizer (docs/core.md §7.2, §1.1).
 
 ``validate_gradient_structure`` holds the structural rows of §7.2 (the union every optimizer
 needs, with GefenMuon's 2-D rule behind ``require_2d``); ``check_finite_gradients`` holds the
@@ -7,6 +7,7 @@ finiteness row. Both only read: no collective, no mutation.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,11 +25,11 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-"""Parameter dtypes every Gefen optimizer accepts (10-core.md §2.3)."""
+"""Parameter dtypes every Gefen optimizer accepts (docs/core.md §2.3)."""
 
 
 class NonFiniteGradientError(RuntimeError):
-    """A gradient holds NaN or ±Inf; raised before anything is mutated (10-core.md §7.2)."""
+    """A gradient holds NaN or ±Inf; raised before anything is mutated (docs/core.md §7.2)."""
 
 
 def parameter_label(group: Mapping[str, Any], group_index: int, position: int) -> str:
@@ -147,25 +148,36 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
     per-element temporary is allocated) and one host synchronisation per device for the step.
     """
     # Labels are built only for a failure: formatting one per parameter costs a step real time.
-    located = [
-        (group, group_index, position, local_tensor(param.grad))
-        for group_index, group in enumerate(param_groups)
-        for position, param in enumerate(group["params"])
-        if param.grad is not None and local_tensor(param.grad).numel() > 0
-    ]
+    # Plain loops: this runs every step, and a comprehension is a call per item.
+    located: list[tuple[Mapping[str, Any], int, int]] = []
+    grads: list[Tensor] = []
+    for group_index, group in enumerate(param_groups):
+        for position, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            if type(grad) not in _PLAIN_TYPES:
+                grad = local_tensor(grad)
+            if grad.numel() > 0:
+                located.append((group, group_index, position))
+                grads.append(grad)
     if not located:
         return
-    from gefen.core.native import first_nonfinite  # CPU: one native pass, no reduction launches
-
-    first = first_nonfinite([grad for *_, grad in located])
+    # CPU: one native pass, no reduction launches; only once a kernel selection loaded the
+    # library (an eager-only run never builds it).
+    native = sys.modules.get("gefen.core.native")
+    first = None if native is None else native.first_nonfinite(grads)
     if first is not None:
         if first >= 0:
-            label = parameter_label(*located[first][:3])
+            label = parameter_label(*located[first])
             raise NonFiniteGradientError(
                 f"parameter {label} has a non-finite gradient (NaN or Inf)"
             )
         return
-    labelled = [(parameter_label(group, g, i), grad) for group, g, i, grad in located]
+    labelled = [
+        (parameter_label(group, g, i), grad)
+        for (group, g, i), grad in zip(located, grads, strict=True)
+    ]
     by_device: dict[torch.device, list[int]] = {}
     for position, (_, grad) in enumerate(labelled):
         by_device.setdefault(grad.device, []).append(position)
@@ -186,7 +198,7 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
 def amp_scaling_supported(
     param_groups: Iterable[Mapping[str, Any]], scope: tuple[Any, ...]
 ) -> bool:
-    """True iff some gradient is fp16 or the failure scope is non-empty (10-core.md §7.3): whether
+    """True iff some gradient is fp16 or the failure scope is non-empty (docs/core.md §7.3): whether
     a GradScaler may drive the step; pure."""
     if len(scope) > 0:
         return True

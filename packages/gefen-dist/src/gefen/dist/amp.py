@@ -1,4 +1,4 @@
-"""AMP agreement: the project's one parser of GradScaler's controls (50-dist.md §6).
+"""AMP agreement: the project's one parser of GradScaler's controls (docs/dist.md §6).
 
 GradScaler talks to an optimizer that sets ``_step_supports_amp_scaling`` through two
 attributes it sets before ``step`` and deletes afterwards: ``found_inf`` (did the local
@@ -183,6 +183,8 @@ def prepare_synchronized_amp_step(
     enters.
     """
     if len(scope) == 0:
+        if not (hasattr(optimizer, "found_inf") or hasattr(optimizer, "grad_scale")):
+            return True  # no GradScaler and nobody to agree with: the step proceeds as is
         controls = parse_amp_controls(optimizer)
         if not controls.present or controls.overflow:
             return not controls.overflow

@@ -1,4 +1,4 @@
-"""The one backend/device rule of the project and the channel-device choice (50-dist.md §3)."""
+"""The one backend/device rule of the project and the channel-device choice (docs/dist.md §3)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Process-group bindings: a semantic group identity tied to this rank's runtime handle
-(50-dist.md §7)."""
+(docs/dist.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The core-free parts of the codebook-scope protocol (50-dist.md §9.0–§9.2, §9.6).
+"""The core-free parts of the codebook-scope protocol (docs/dist.md §9.0–§9.2, §9.6).
 
 ``gefen.core`` runs the initialize/refresh/step drivers; what lives here is what every member
 must compute identically without the optimizer: the op codes, the header payload and its

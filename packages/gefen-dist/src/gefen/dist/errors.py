@@ -1,4 +1,4 @@
-"""The error types of ``gefen.dist`` (50-dist.md §2).
+"""The error types of ``gefen.dist`` (docs/dist.md §2).
 
 Wrong argument types raise the builtin ``TypeError`` and needing ``torch.distributed`` before it
 is initialised raises the builtin ``RuntimeError``; only the three conditions below get their own

@@ -1,5 +1,5 @@
 """The guarded collective operation: capture, voted local phases, the operation header and
-the agreement helpers (50-dist.md §8).
+the agreement helpers (docs/dist.md §8).
 
 The rule it enforces: between capture and the end of an operation, anything that can raise on
 some ranks and not others runs inside ``local``, so the failure is voted before any member

@@ -1,4 +1,4 @@
-"""The rank-local checkpoint transport's topology header and its checks (50-dist.md §10.3).
+"""The rank-local checkpoint transport's topology header and its checks (docs/dist.md §10.3).
 
 State that only means something on the rank that saved it (GefenMuon's approx shards) is
 stored beside a header describing that rank's place in its failure scope, built only from

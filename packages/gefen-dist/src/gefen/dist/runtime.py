@@ -1,5 +1,5 @@
 """Small runtime helpers shared by every module: the ``collective`` decorator, the CUDA-graph
-capture query and the availability check of ``torch.distributed`` (50-dist.md §1).
+capture query and the availability check of ``torch.distributed`` (docs/dist.md §1).
 
 Nothing here imports ``torch.distributed.tensor``, ``DeviceMesh`` or ``ProcessGroup`` at module
 level: ``import gefen.dist`` must work on builds where ``torch.distributed`` is unavailable.

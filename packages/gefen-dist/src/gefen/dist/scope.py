@@ -1,4 +1,4 @@
-"""Channels, mesh content keys and the failure scope of a step (50-dist.md §1, §4)."""
+"""Channels, mesh content keys and the failure scope of a step (docs/dist.md §1, §4)."""
 
 from __future__ import annotations
 

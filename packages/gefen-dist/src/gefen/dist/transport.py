@@ -1,5 +1,5 @@
 """Checkpoint transports without pickling: owner consolidation and record gathering
-(50-dist.md §10.1–§10.2).
+(docs/dist.md §10.1–§10.2).
 
 Everything travels as fixed-size int64 headers, canonical JSON bytes (``canonical_bytes``)
 and raw tensor bytes viewed as uint8, so any dtype rides any backend and nothing is ever

@@ -1,4 +1,4 @@
-"""The failure vote and the names of the voted phases (50-dist.md §5)."""
+"""The failure vote and the names of the voted phases (docs/dist.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An AdamW backup's load, staged on a shadow (30-hybrid.md §8 step 5).
+"""An AdamW backup's load, staged on a shadow (docs/hybrid.md §8 step 5).
 
 torch's ``Optimizer.load_state_dict`` mutates before it can fail, so the hybrid runs it on a
 shadow optimizer built from a copy of the live groups, after validating the checkpoint itself;

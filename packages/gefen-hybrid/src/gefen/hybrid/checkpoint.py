@@ -1,4 +1,4 @@
-"""The hybrid's nested checkpoint and its atomic load (30-hybrid.md §8).
+"""The hybrid's nested checkpoint and its atomic load (docs/hybrid.md §8).
 
 ``prepare_hybrid_load`` runs steps 1–5 (pre-hooks on a copy, schema, half presence, backend tag,
 staging of both children) and returns a ``PreparedHybridLoad``; the shared load template of

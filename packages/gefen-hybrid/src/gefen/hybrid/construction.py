@@ -1,4 +1,5 @@
-"""Building a hybrid: option checks, the three constructor forms, the children (30-hybrid.md §3–§4).
+"""Building a hybrid: option checks, the three constructor forms, the children
+(docs/hybrid.md §3–§4).
 
 Every check runs before any child exists; a child's own constructor error propagates and no
 partial hybrid is published.

@@ -1,4 +1,4 @@
-"""``GefenMuonHybrid.optimizer_contract()`` (30-hybrid.md §9): a pure read.
+"""``GefenMuonHybrid.optimizer_contract()`` (docs/hybrid.md §9): a pure read.
 
 The hybrid's checkpoint nests its children's under the namespaces ``muon`` and ``backup``, so its
 own layout declares only those namespaces and the ``backup_optimizer`` tag; each Gefen child

@@ -1,4 +1,4 @@
-"""The hybrid's ``post_sharding`` forwarding and its shared codebook binding (30-hybrid.md §6).
+"""The hybrid's ``post_sharding`` forwarding and its shared codebook binding (docs/hybrid.md §6).
 
 The rebindings are split per child through the ownership registry, each child gets the manifest
 restricted to its FQNs, both children are prepared (Muon first) and only then committed, so one

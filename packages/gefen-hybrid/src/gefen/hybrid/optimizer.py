@@ -1,4 +1,4 @@
-"""``GefenMuonHybrid``: one optimizer for a whole model (30-hybrid.md).
+"""``GefenMuonHybrid``: one optimizer for a whole model (docs/hybrid.md).
 
 2-D hidden matrices go to a ``GefenMuon`` child, everything else to a ``Gefen`` or
 ``torch.optim.AdamW`` backup. The hybrid runs the shared step and load transactions of
@@ -208,7 +208,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             f"backup_optimizer={self.backup_optimizer!r})"
         )
 
-    # -- the composite step protocol (30-hybrid.md §6–§7) ------------------------------------
+    # -- the composite step protocol (docs/hybrid.md §6–§7) ------------------------------------
 
     def step_failure_scope(self) -> tuple[Channel, ...]:
         """The children's codebook binding's scope, else the union scope of both children's
@@ -236,7 +236,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         manifest: ShardingManifest,
         codebook_process_group: CodebookProcessGroupBinding | None = None,
     ) -> None:
-        """Forward 10-core.md §13 to both children as one staged transaction."""
+        """Forward docs/core.md §13 to both children as one staged transaction."""
         forward_post_sharding(self, rebindings, manifest, codebook_process_group)
 
     @property
@@ -290,7 +290,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         return mask, [payload for payload in payloads if payload is not None]
 
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
-        """50-dist.md §9.3: the child-presence header first, then one header per child."""
+        """docs/dist.md §9.3: the child-presence header first, then one header per child."""
         if op.binding is None or payload is None:
             return
         mask, children = payload

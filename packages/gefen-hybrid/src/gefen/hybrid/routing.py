@@ -1,4 +1,4 @@
-"""Which parameters Muon trains and which go to the backup (30-hybrid.md §2).
+"""Which parameters Muon trains and which go to the backup (docs/hybrid.md §2).
 
 Routing is by name substring (case-insensitive) and, in the module form, by identity: every
 ``nn.Embedding``/``nn.EmbeddingBag`` weight goes to the backup whatever its name, which also

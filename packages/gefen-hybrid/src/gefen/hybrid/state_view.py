@@ -1,4 +1,5 @@
-"""``GefenMuonHybrid.state``: a read-only routing view over the children's state (30-hybrid.md §5).
+"""``GefenMuonHybrid.state``: a read-only routing view over the children's state
+(docs/hybrid.md §5).
 
 Reads route to the owning child's live per-parameter dict (so a child's defaultdict behaves as
 in torch); ``in`` and ``get`` never create an entry; every write raises, so no caller can drop an

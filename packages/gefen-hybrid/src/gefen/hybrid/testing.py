@@ -1,4 +1,4 @@
-"""Test support for ``GefenMuonHybrid`` (30-hybrid.md).
+"""Test support for ``GefenMuonHybrid`` (docs/hybrid.md).
 
 ``TinyLM`` is the small language model the one-process hybrid tests share (Muon owns its two
 hidden matrices, ``MUON_NAMES``); ``OneHiddenLM`` is a smaller one with a single hidden layer.

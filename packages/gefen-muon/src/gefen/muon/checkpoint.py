@@ -1,4 +1,4 @@
-"""GefenMuon's part of the checkpoint transaction (20-muon.md §8).
+"""GefenMuon's part of the checkpoint transaction (docs/muon.md §8).
 
 Saving consolidates the entries of ``"distributed"`` parameters from their owners (a
 collective) and records the ``"muon_distributed"`` manifest. Loading validates the manifest and

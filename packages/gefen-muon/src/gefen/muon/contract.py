@@ -1,4 +1,4 @@
-"""``GefenMuon.optimizer_contract()`` (20-muon.md §10): a pure read of the live options.
+"""``GefenMuon.optimizer_contract()`` (docs/muon.md §10): a pure read of the live options.
 
 Exact and distributed state is global (the full matrix, consolidated on save), so it is
 declared with the global extent and survives a world-size change; approx state is the local

@@ -1,4 +1,4 @@
-"""Pure math kernels of ``gefen.muon`` (20-muon.md §4, §7): no optimizer object.
+"""Pure math kernels of ``gefen.muon`` (docs/muon.md §4, §7): no optimizer object.
 
 Every function reads tensors and Python scalars and returns new values. The one exception is
 ``normuon_rescale``, whose contract is to update its running second moment ``v`` in place. The

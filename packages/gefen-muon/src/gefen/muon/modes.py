@@ -1,4 +1,4 @@
-"""Which path each parameter takes, and the collectives of the sharded modes (20-muon.md §7).
+"""Which path each parameter takes, and the collectives of the sharded modes (docs/muon.md §7).
 
 Plain tensors take the unsharded path. A DTensor takes its group's ``sharded_mode``, except
 that a ``"distributed"`` parameter that is not eligible (a 1-D mesh of two or more ranks under

@@ -1,4 +1,4 @@
-"""``GefenMuon``: Muon for 2-D matrices with 8-bit codebook momentum (20-muon.md).
+"""``GefenMuon``: Muon for 2-D matrices with 8-bit codebook momentum (docs/muon.md).
 
 The step and load transactions, codebook learning, the latch and the hooks are the shell's
 (``gefen.core.shell.OptimizerShell``); this class supplies the options, the per-parameter
@@ -243,7 +243,7 @@ class GefenMuon(OptimizerShell):
                 inputs.append((index, view, tuple(view.shape)))
         return inputs
 
-    # -- kernels (§11) ----------------------------------------------------------------------
+    # -- kernels (docs/core.md §11) ----------------------------------------------------------
 
     def _restore_derived(self) -> None:
         super()._restore_derived()
@@ -449,7 +449,7 @@ class GefenMuon(OptimizerShell):
         check_presence_and_order(self.param_groups, owner=self.OWNER_NAME)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # step(closure=None)
-        """One transactional step (10-core.md §7.1); returns the closure's loss or None."""
+        """One transactional step (docs/core.md §7.1); returns the closure's loss or None."""
         params = [local_tensor(p) for group in self.param_groups for p in group["params"]]
         if cuda_graph_capturing(params):
             raise RuntimeError("GefenMuon does not support CUDA graph capture")
@@ -458,13 +458,13 @@ class GefenMuon(OptimizerShell):
     step.__signature__ = STEP_SIGNATURE  # type: ignore[attr-defined]
 
     def refresh_codebook(self) -> bool:
-        """Periodic refresh is out of scope for GefenMuon (20-muon.md §1)."""
+        """Periodic refresh is out of scope for GefenMuon (docs/muon.md §1)."""
         raise NotImplementedError("GefenMuon does not support refresh_codebook")
 
     # -- contract (§10) ---------------------------------------------------------------------
 
     def optimizer_contract(self) -> OptimizerContract:
-        """The contract of the live options (20-muon.md §10); a pure read."""
+        """The contract of the live options (docs/muon.md §10); a pure read."""
         from gefen.muon.contract import muon_contract
 
         return muon_contract(self)

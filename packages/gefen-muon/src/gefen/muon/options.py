@@ -1,4 +1,4 @@
-"""GefenMuon's option rules (20-muon.md §2–§3): the first failing rule raises.
+"""GefenMuon's option rules (docs/muon.md §2–§3): the first failing rule raises.
 
 The checks only read a group (or the constructor's defaults). ``normalise_schedule_steps``
 is the one place that writes: it stores ``ns_steps = len(schedule)`` for the tuned and explicit

@@ -1,4 +1,4 @@
-"""The collective presence/order preflight of GefenMuon's sharded modes (20-muon.md §7).
+"""The collective presence/order preflight of GefenMuon's sharded modes (docs/muon.md §7).
 
 Exact and distributed steps gather every DTensor gradient in parameter order, and distributed
 steps assign owners by optimizer position, so every rank of a mesh must hold the same parameters,

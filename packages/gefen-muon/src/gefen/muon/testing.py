@@ -1,4 +1,4 @@
-"""Test support for GefenMuon's sharded-mode scenarios (20-muon.md §7, §8, §11).
+"""Test support for GefenMuon's sharded-mode scenarios (docs/muon.md §7, §8, §11).
 
 Helpers shared by the multi-rank test modules: seeded full matrices, FSDP2-sharded bias-free
 ``nn.Linear`` models on a 1-D CPU mesh, ``Shard(0)`` gradient assignment, a one-process oracle

@@ -1,4 +1,4 @@
-"""One matrix's Muon update, in place (20-muon.md §4 "One parameter's update", §5, §6 phase 5).
+"""One matrix's Muon update, in place (docs/muon.md §4 "One parameter's update", §5, §6 phase 5).
 
 ``orthogonal_update_`` runs steps 1–3 on the matrix the mode quantizes (full or local): it
 advances the momentum **in the entry's own tensors** (codes and scale, or the dense buffer),

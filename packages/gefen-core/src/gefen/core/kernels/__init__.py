@@ -1,4 +1,4 @@
-"""Layer 1 of ``gefen.core``: pure math kernels with no optimizer object (10-core.md §1).
+"""Layer 1 of ``gefen.core``: pure math kernels with no optimizer object (docs/core.md §1).
 
 Every function here is pure: it reads tensors and Python scalars, returns new tensors, and
 modifies none of its inputs. The eager implementations in this package are normative; faster

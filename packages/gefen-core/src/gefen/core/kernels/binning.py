@@ -1,4 +1,4 @@
-"""The 4096-bin histogram the codebook is learned from, 10-core.md §5.1."""
+"""The 4096-bin histogram the codebook is learned from, docs/core.md §5.1."""
 
 from __future__ import annotations
 

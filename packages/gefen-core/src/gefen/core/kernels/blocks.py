@@ -1,6 +1,6 @@
 """Block quantization: values as uint8 codebook indices times one fp32 magnitude per block.
 
-Published as ``gefen.core.codec`` (10-core.md §1.1), shared by ``Gefen`` and ``GefenMuon``; it
+Published as ``gefen.core.codec`` (docs/core.md §1.1), shared by ``Gefen`` and ``GefenMuon``; it
 lives among the kernels because the update kernels re-quantize the momentum with it. A block is
 ``period`` consecutive elements in logical order. Its magnitude is the block's absolute maximum,
 so the largest element of every block is stored exactly (it maps to the endpoint -1 or +1).

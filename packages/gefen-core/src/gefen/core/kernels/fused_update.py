@@ -1,4 +1,4 @@
-"""The fused, in-place form of the §6.1 update (10-core.md §7.1 phase 5, §11).
+"""The fused, in-place form of the §6.1 update (docs/core.md §7.1 phase 5, §11).
 
 These functions are written for ``torch.compile(fullgraph=True)``: plain torch on tensors, no
 host synchronisation, no data-dependent Python branch. Each one updates one chunk of whole

@@ -1,4 +1,4 @@
-"""Period (block length) selection, 10-core.md §4.
+"""Period (block length) selection, docs/core.md §4.
 
 The period is chosen once per parameter from its first gradient. The search looks for the block
 length at which the within-block spread of ``g²`` stops growing fastest; whatever the search says,
@@ -116,7 +116,7 @@ def period_errors(squares: Tensor, divisors: Sequence[int]) -> list[tuple[int, f
 
 
 def select_period(g: Tensor, shape: Sequence[int], *, force_one: bool) -> int | None:
-    """Choose the period ``P`` of one parameter from its gradient (10-core.md §4).
+    """Choose the period ``P`` of one parameter from its gradient (docs/core.md §4).
 
     ``g`` is the gradient view the period is learned from (a local shard for a DTensor) and
     ``shape`` its quantized shape; ``prod(shape)`` must equal ``g.numel()``. The caller decides

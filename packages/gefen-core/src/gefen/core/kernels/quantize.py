@@ -1,4 +1,4 @@
-"""Rounding values to codebook indices, 10-core.md §6.3.
+"""Rounding values to codebook indices, docs/core.md §6.3.
 
 ``nearest_index`` is deterministic with ties to the lower index. ``stochastic_index`` picks the
 upper of the two surrounding codewords with probability proportional to the distance from the

@@ -1,4 +1,4 @@
-"""Learning the codebook from a histogram, 10-core.md §5.2 and §5.3.
+"""Learning the codebook from a histogram, docs/core.md §5.2 and §5.3.
 
 With fewer active bins than codewords the codebook is padded by repeated bisection of the widest
 gap (§5.2). Otherwise it is the exact optimal weighted 1-D k-means split of the active bin
@@ -180,7 +180,7 @@ def solve_optimal(centres: FloatArray, weights: FloatArray, k: int) -> FloatArra
 
 
 def solve_codebook(counts: Tensor, k: int = 256) -> Tensor:
-    """Learn a K-entry codebook from a 4096-bin int64 histogram (10-core.md §5.2–§5.3).
+    """Learn a K-entry codebook from a 4096-bin int64 histogram (docs/core.md §5.2–§5.3).
 
     Returns a strictly increasing fp32 tensor of ``k`` values on the CPU with ``cb[0] == -1`` and
     ``cb[k-1] == +1``. With ``A`` active bins (count > 0): ``A < k`` pads (§5.2), ``A >= k`` solves

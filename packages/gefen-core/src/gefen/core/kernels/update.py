@@ -1,4 +1,4 @@
-"""The per-parameter update of 10-core.md §6.1 (block family) and §6.2 (factored family).
+"""The per-parameter update of docs/core.md §6.1 (block family) and §6.2 (factored family).
 
 Both kernels are pure: they read the current parameter, gradient and state, and return the
 staged new state and the new parameter value without writing anything. The caller (the optimizer

@@ -1,4 +1,4 @@
-"""The native CPU update (10-core.md §11): ``gefen_update.c`` built on first use.
+"""The native CPU update (docs/core.md §11): ``gefen_update.c`` built on first use.
 
 Inductor's CPU code performs every indirect load lane by lane and decodes each block twice, so
 the compiled Python source cannot reach fused AdamW's speed on a CPU. This small C kernel does
@@ -186,10 +186,19 @@ def first_nonfinite(tensors: list[Tensor]) -> int | None:
         ):
             return None
     count = len(tensors)
-    pointers = (ctypes.c_void_p * count)(*(tensor.data_ptr() for tensor in tensors))
-    sizes = (ctypes.c_int64 * count)(*(tensor.numel() for tensor in tensors))
-    kinds = (ctypes.c_int32 * count)(*(_FINITE_DTYPES[tensor.dtype] for tensor in tensors))
-    return int(library.gefen_first_nonfinite(pointers, sizes, kinds, count))
+    pointers, sizes, kinds = [], [], []
+    for tensor in tensors:  # loops, not generators: this runs every step
+        pointers.append(tensor.data_ptr())
+        sizes.append(tensor.numel())
+        kinds.append(_FINITE_DTYPES[tensor.dtype])
+    return int(
+        library.gefen_first_nonfinite(
+            (ctypes.c_void_p * count)(*pointers),
+            (ctypes.c_int64 * count)(*sizes),
+            (ctypes.c_int32 * count)(*kinds),
+            count,
+        )
+    )
 
 
 class EncodeTables:
@@ -251,13 +260,15 @@ class NativeUpdater:
         gradient = grad if grad.is_contiguous() else grad.contiguous()
         codebook = scalars.codebook.contiguous()
         packed = self._scalars(scalars, t, tau)
-        v_row = entry.get("v_row")
+        v_row, v_col, v_block = entry.get("v_row"), entry.get("v_col"), entry.get("v_block")
         rows, cols = (int(param.shape[0]), int(param.shape[1])) if v_row is not None else (0, 0)
         status = self._function(
             work.data_ptr(), gradient.data_ptr(), _DTYPES[param.dtype],
             entry["momentum_codes"].data_ptr(), entry["momentum_scale"].data_ptr(),
-            _pointer_or_null(entry.get("v_block")), _pointer_or_null(v_row),
-            _pointer_or_null(entry.get("v_col")), rows, cols, param.numel() // period, period,
+            None if v_block is None else v_block.data_ptr(),
+            None if v_row is None else v_row.data_ptr(),
+            None if v_col is None else v_col.data_ptr(),
+            rows, cols, param.numel() // period, period,
             codebook.data_ptr(), self._tables.get(scalars.codebook).data_ptr(),
             ctypes.byref(packed),
         )  # fmt: skip
@@ -266,10 +277,6 @@ class NativeUpdater:
         if work is not param and scalars.lr != 0:
             param.copy_(work)
         entry["step"], entry["v_step"] = t, tau
-
-
-def _pointer_or_null(tensor: Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 def native_updater(key: tuple[str, torch.dtype, str, str]) -> NativeUpdater:

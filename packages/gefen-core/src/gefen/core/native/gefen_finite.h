@@ -1,4 +1,4 @@
-/* The native finiteness check of gefen.core.validation (10-core.md §7.2), included by
+/* The native finiteness check of gefen.core.validation (docs/core.md §7.2), included by
  * gefen_update.c: plain C, no state of its own. */
 
 /* §7.2's finiteness check over ``count`` contiguous tensors (dtype: 0 fp32, 1 bf16, 2 fp16,

@@ -1,4 +1,4 @@
-/* The fused Gefen update for CPUs (10-core.md §6.1, §6.2, §11), one pass per block.
+/* The fused Gefen update for CPUs (docs/core.md §6.1, §6.2, §11), one pass per block.
  *
  * For each block of P elements: decode the stored momentum into an L1-resident buffer while
  * lerping in the gradient and taking the absolute maximum, then encode, apply and write in a

@@ -1,4 +1,4 @@
-"""Test utilities for packages built on ``gefen.dist`` (50-dist.md §11).
+"""Test utilities for packages built on ``gefen.dist`` (docs/dist.md §11).
 
 Importing this package never imports pytest; only ``gloo_required()`` does, when called.
 """

@@ -1,5 +1,5 @@
 """A multi-process test harness that turns every hang into a prompt test failure
-(50-dist.md §11.1).
+(docs/dist.md §11.1).
 
 Each rank runs in a ``spawn``-ed process with its own process group. Results, progress marks
 and formatted failures travel through small files in a per-run temporary directory, so the

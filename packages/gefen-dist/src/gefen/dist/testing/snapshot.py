@@ -1,4 +1,4 @@
-"""A deep, read-only optimizer snapshot for fail-before-mutation tests (50-dist.md §11.2).
+"""A deep, read-only optimizer snapshot for fail-before-mutation tests (docs/dist.md §11.2).
 
 Identity is recorded by keeping strong references and compared with ``is``: ``id()`` values
 are reused once an object is freed, so comparing them could mistake a replacement for the

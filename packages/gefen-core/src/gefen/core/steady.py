@@ -1,0 +1,91 @@
+"""The steady-state step: what a step may skip because nothing it checks has changed.
+
+A training loop calls ``step()`` thousands of times on the same parameters, groups, options
+and state entries; only the gradient values and the counters move. ``step_token`` captures in
+one pass everything the structural preflight (options, gradient structure, entry match, kernel
+selection) and the step plan depend on. When it equals the token of the last step that passed
+those checks, the shell skips them and the optimizer reuses its plan; the checks that read
+values (finiteness, GradScaler's controls, the vote) run every step.
+
+The token is written as plain loops on purpose: it runs every step, and a comprehension or a
+helper call per parameter would cost more than the checks it replaces. It covers plain tensors
+only (``None`` otherwise): DTensor parameters and an installed binding always take the full
+path, whose failure scope and collectives the token does not describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Parameter
+
+from gefen.dist.torch_internals import tensor_version
+
+__all__ = ["SteadyToken", "plain_parameters", "same_token", "step_token"]
+
+_PLAIN = (Tensor, Parameter)
+
+SteadyToken = tuple[tuple[Any, ...], list[Any]]
+"""(the compared key, the objects whose identities it uses, kept alive so no id is reused)."""
+
+
+def step_token(
+    param_groups: list[dict[str, Any]], state: Mapping[Any, Any], defaults: Mapping[str, Any]
+) -> SteadyToken | None:
+    """The steady-state token of this step's inputs, or None (a DTensor or another tensor
+    subclass is present: no fast path). Options compare by type and value, tensor options by
+    identity and version (a scheduler's ``fill_`` bumps it), entries by identity, their tensors
+    by identity, shape, dtype and device, their other values but the counters by value."""
+    entries: dict[int, Any] = {}
+    for param, entry in state.items():  # by id: a Tensor key would hash in Python every time
+        entries[id(param)] = entry
+    key: list[Any] = [defaults.get("momentum_codec"), defaults.get("fused")]
+    key.append(defaults.get("deterministic"))
+    held: list[Any] = []
+    for group in param_groups:
+        params = group["params"]
+        held.append(group)
+        key.append((id(group), id(params), len(params)))
+        for name, value in group.items():
+            if name == "params" or name == "param_names":
+                continue
+            if isinstance(value, Tensor):
+                held.append(value)
+                key.append((name, id(value), tensor_version(value)))
+            else:
+                key.append((name, type(value), value))
+        for param in params:
+            grad = param.grad
+            if type(param) not in _PLAIN or (grad is not None and type(grad) is not Tensor):
+                return None
+            held.append(param)
+            key.append((id(param), param.dtype, param.shape, param.device))
+            key.append(None if grad is None else (grad.dtype, grad.shape, grad.device, grad.layout))
+            entry = entries.get(id(param))
+            key.append(None if entry is None else id(entry))
+            if entry is None:
+                continue
+            held.append(entry)
+            for name, value in entry.items():
+                if type(value) is Tensor:
+                    held.append(value)
+                    key.append((name, id(value), value.shape, value.dtype, value.device))
+                elif name != "step" and name != "v_step":
+                    key.append((name, value))
+    return tuple(key), held
+
+
+def same_token(a: SteadyToken | None, b: SteadyToken | None) -> bool:
+    """Whether two tokens describe the same step inputs (None matches nothing)."""
+    return a is not None and b is not None and a[0] == b[0]
+
+
+def plain_parameters(param_groups: list[dict[str, Any]]) -> bool:
+    """Whether every parameter is a plain tensor (no DTensor: the failure scope is empty)."""
+    for group in param_groups:
+        for param in group["params"]:
+            if type(param) not in _PLAIN:
+                return False
+    return True

@@ -1,0 +1,172 @@
+"""The steady-state fast path (``gefen.core.steady``): a step whose inputs did not change skips
+the structural checks and reuses its plan, and every change a check reads is still noticed.
+
+Each case trains a few steps into the steady state, changes one thing, and asserts the next
+step behaves exactly as the full path would: it is rejected (by name, nothing changed) or it
+trains with the new value, bit-identical to a twin that never takes the fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import gefen.core.shell as shell_module
+from gefen.core import Gefen
+from gefen.core.steady import step_token
+
+SHAPES = ((16, 8), (32,))
+
+
+def _model(seed: int = 0, **options: Any) -> tuple[Gefen, list[torch.nn.Parameter]]:
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in SHAPES]
+    return Gefen(params, lr=1e-2, **options), params
+
+
+def _grads(params: list[torch.nn.Parameter], step: int) -> None:
+    generator = torch.Generator().manual_seed(1000 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def _train(
+    optimizer: Gefen, params: list[torch.nn.Parameter], steps: range, between: Callable[[int], None]
+) -> None:
+    for step in steps:
+        between(step)
+        _grads(params, step)
+        optimizer.step()
+
+
+def _never_steady(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shell_module, "step_token", lambda *args: None)
+
+
+def _schedule(optimizer: Gefen) -> Callable[[int], None]:
+    def change(step: int) -> None:
+        if step == 4:
+            optimizer.param_groups[0]["lr"] = 3e-3  # a scheduler's float write
+        if step == 6:
+            optimizer.param_groups[0]["weight_decay"] = 0.05
+        if step == 8:
+            optimizer.param_groups[0]["betas"] = (0.8, 0.99)
+
+    return change
+
+
+@pytest.mark.parametrize("factored", [True, False])
+def test_the_fast_path_trains_bit_identically_to_the_full_path(
+    factored: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, fast_params = _model(factored_v_2d=factored)
+    _train(fast, fast_params, range(10), _schedule(fast))
+    assert fast.__dict__["_steady"] is not None  # the fast path was taken
+    slow, slow_params = _model(factored_v_2d=factored)
+    _never_steady(monkeypatch)
+    _train(slow, slow_params, range(10), _schedule(slow))
+    for a, b in zip(fast_params, slow_params, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fast_params, slow_params, strict=True):
+        for key, value in fast.state[a].items():
+            other = slow.state[b][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def test_a_tensor_lr_written_in_place_is_read_on_the_next_step() -> None:
+    optimizer, params = _model()
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-2)
+    _train(optimizer, params, range(4), lambda step: None)
+    optimizer.param_groups[0]["lr"].fill_(0.0)  # lr 0: the parameters must not move
+    before = [param.detach().clone() for param in params]
+    _grads(params, 99)
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (lambda opt, ps: opt.param_groups[0].__setitem__("eps", -1.0), ValueError, "eps"),
+        (lambda opt, ps: opt.param_groups[0].__setitem__("betas", (1.0, 0.9)), ValueError, "beta"),
+        (
+            lambda opt, ps: setattr(ps[0], "data", ps[0].data.t().contiguous()),
+            RuntimeError,
+            "gradient shape",
+        ),
+        (
+            lambda opt, ps: setattr(ps[1], "data", ps[1].data.double()),
+            RuntimeError,
+            "gradient dtype",
+        ),
+        (
+            lambda opt, ps: opt.state[ps[0]].__setitem__(
+                "v_row", torch.zeros(3, dtype=torch.float32)
+            ),
+            RuntimeError,
+            "state does not match parameter",
+        ),
+    ],
+    ids=["eps", "betas", "grad-shape", "grad-dtype", "entry-tensor"],
+)
+def test_a_change_between_steady_steps_is_rejected_before_anything_changes(
+    change: Callable[[Gefen, list[torch.nn.Parameter]], None],
+    error: type[Exception],
+    message: str,
+    rejects: Any,
+) -> None:
+    optimizer, params = _model()
+    _train(optimizer, params, range(4), lambda step: None)
+    assert optimizer.__dict__["_steady"] is not None
+    _grads(params, 50)
+    saved = {
+        "eps": optimizer.param_groups[0]["eps"],
+        "betas": optimizer.param_groups[0]["betas"],
+        "grads": [param.grad for param in params],
+        "data": [param.data for param in params],
+        "v_row": optimizer.state[params[0]].get("v_row"),
+    }
+    change(optimizer, params)
+
+    def restore() -> None:
+        optimizer.param_groups[0]["eps"] = saved["eps"]
+        optimizer.param_groups[0]["betas"] = saved["betas"]
+        for param, grad, data in zip(params, saved["grads"], saved["data"], strict=True):
+            param.data = data
+            param.grad = grad
+        optimizer.state[params[0]]["v_row"] = saved["v_row"]
+
+    rejects(optimizer, optimizer.step, error, message, restore=restore)
+
+
+def test_a_new_group_and_a_replaced_parameter_take_the_full_path() -> None:
+    optimizer, params = _model()
+    _train(optimizer, params, range(4), lambda step: None)
+    token = optimizer.__dict__["_steady"]
+    extra = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer.add_param_group({"params": [extra]})
+    extra.grad = torch.randn(4, 4)
+    _grads(params, 60)
+    optimizer.step()
+    assert optimizer.__dict__["_steady"] is not token
+    assert optimizer.state[extra]["step"] == 1  # the new parameter trained
+    replacement = torch.nn.Parameter(torch.randn(32))
+    optimizer.param_groups[0]["params"][1] = replacement
+    replacement.grad = torch.randn(32)
+    _grads(params[:1], 61)
+    optimizer.step()
+    assert optimizer.state[replacement]["step"] == 1  # started fresh, as torch would
+
+
+def test_the_token_declines_dtensors_and_other_tensor_subclasses() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    param = torch.nn.Parameter(torch.randn(4))
+    groups = [{"params": [param], "lr": 0.1}]
+    assert step_token(groups, {}, {}) is not None
+    param.grad = torch.randn(4).as_subclass(Tagged)
+    assert step_token(groups, {}, {}) is None
