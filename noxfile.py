@@ -167,6 +167,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     # docs/architecture.md: no module reaches into another object's private names.
     session.run("python", "tools/private_access.py", "--check")
+    session.run("python", "tools/import_cycles.py", "--check")  # type-only imports included
 
 
 def _harness_install(session: nox.Session, *extra: str) -> None:

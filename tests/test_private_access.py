@@ -13,19 +13,18 @@ from types import ModuleType
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "private_access", ROOT / "tools/private_access.py"
-    )
+def _tool(name: str = "private_access") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"tools/{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["private_access"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
 TOOL = _tool()
+CYCLES = _tool("import_cycles")
 TORCH = frozenset({"_optimizer_step_pre_hooks", "_version"})
 
 
@@ -111,3 +110,22 @@ def test_siblings_import_gefen_core_through_its_api_only() -> None:
         "from gefen.core.extension import run_step\n",
     ):
         assert _found(allowed, module="gefen.hybrid.optimizer") == []
+
+
+def test_the_library_has_no_import_cycle_type_only_ones_included() -> None:
+    assert CYCLES.cycles(CYCLES.import_graph(CYCLES.module_sources())) == []
+
+
+def test_a_type_only_cycle_is_found() -> None:
+    sources = {
+        "gefen.core.shell": "from gefen.core.checkpoint import build\n",
+        "gefen.core.checkpoint": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from gefen.core.shell import OptimizerShell\n"
+        ),
+        "gefen.core.state": "import gefen.core.shell\n",
+    }
+    graph = CYCLES.import_graph(sources)
+    assert graph["gefen.core.state"] == {"gefen.core.shell"}
+    assert CYCLES.cycles(graph) == [["gefen.core.checkpoint", "gefen.core.shell"]]

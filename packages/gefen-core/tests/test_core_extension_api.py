@@ -25,6 +25,7 @@ EXPECTED = {
     "OptimizerShell": "gefen.core.shell",
     "PreparedFinalization": "gefen.core.finalization",
     "PreparedLoad": "gefen.core.checkpoint",
+    "ShellInterface": "gefen.core.participant",
     "StagedLearning": "gefen.core.learning",
     "allocate_entry": "gefen.core.state",
     "amp_scaling_supported": "gefen.core.validation",

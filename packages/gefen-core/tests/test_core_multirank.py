@@ -94,6 +94,34 @@ def scenario_one_rank_closure_failure(rank: int, world_size: int) -> dict[str, A
     return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
 
 
+def scenario_one_rank_missing_gradient(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    twin_model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    twin = Gefen(twin_model.parameters(), lr=0.01)
+    for net, opt in ((model, optimizer), (twin_model, twin)):
+        _train(net, opt, rank, range(2))
+        opt.zero_grad()
+        net(_batch(rank, 7)).square().mean().backward()
+    last = list(model.parameters())[-1]
+    kept = last.grad
+    if rank == 1:
+        last.grad = None  # this rank lost one gradient (a skipped branch, a bad hook)
+    before = _snapshot(optimizer)
+    elapsed, error, _ = timed(optimizer.step)
+    changes = _changes(optimizer, before)
+    last.grad = kept
+    optimizer.step()  # the repaired step, together
+    twin.step()  # the twin never saw the mismatch
+    same = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), twin_model.parameters(), strict=True)
+    )
+    return {"elapsed": elapsed, "error": error, "changes": changes, "same": same}
+
+
 def scenario_one_rank_load_rejection(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.core import Gefen
     from gefen.dist import DistributedStepError
@@ -183,6 +211,7 @@ SCENARIOS = [
     ("train", scenario_train_block_family, ()),
     ("closure", scenario_one_rank_closure_failure, ()),
     ("load", scenario_one_rank_load_rejection, ()),
+    ("missing_grad", scenario_one_rank_missing_gradient, ()),
     ("rank_local", scenario_rank_local_refusal, ()),
     ("dcp", scenario_dcp_round_trip, ()),
 ]
@@ -222,6 +251,20 @@ def test_one_rank_closure_failure_fails_every_rank_with_nothing_mutated(
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["step"] == 3
+
+
+def test_a_gradient_missing_on_one_rank_fails_every_rank_with_nothing_mutated(
+    world: ScenarioWorld,
+) -> None:
+    # It used to be accepted: the rank without the gradient skipped its shard silently.
+    for result in world["missing_grad"]:
+        assert result["error"] == (
+            "GroupAgreementError: Gefen step preflight: gradient presence differs across the "
+            "process-group members (every member must present the same; nothing was changed)"
+        )
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        assert result["same"]  # the repaired step equals an untouched twin's, bit for bit
 
 
 def test_one_rank_load_rejection_raises_everywhere_and_commits_nowhere(

@@ -380,6 +380,23 @@ def scenario_presence(rank: int, world_size: int, amp: bool) -> dict[str, Any]:
     return _rejected_step(hybrid, model, hybrid.step)
 
 
+def scenario_backup_presence(rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    """A backup gradient missing on rank 1 (a Gefen or an AdamW backup on FSDP2)."""
+    model = _model("full")
+    hybrid = _hybrid(model, backup_optimizer=backend)
+    _assign(model, seed=0)
+    hybrid.step()
+    _assign(model, seed=1)
+    kept = model.norm.weight.grad
+    if rank == 1:
+        model.norm.weight.grad = None
+
+    def restore() -> None:
+        model.norm.weight.grad = kept
+
+    return _rejected_step(hybrid, model, hybrid.step, recover=restore)
+
+
 def scenario_reversed(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.hybrid import split_params_for_muon
 
@@ -444,6 +461,25 @@ def scenario_sparse(rank: int, world_size: int) -> dict[str, Any]:
     # The snapshot is taken with the sparse gradient in place: it must still be there after.
     result = _rejected_step(hybrid, model, hybrid.step, recover=recover)
     result["sparse"] = sparse_on_rank
+    return result
+
+
+def scenario_stale_muon_half(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 loads the file of one step earlier: the Muon half's exact state is a replica."""
+    model = _model("full")
+    hybrid = _hybrid(model)
+    _backward(model, rank, seed=0)
+    hybrid.step()
+    stale = copy.deepcopy(hybrid.state_dict())
+    _backward(model, rank, seed=1)
+    hybrid.step()
+    fresh = copy.deepcopy(hybrid.state_dict())
+    result = _rejected_step(
+        hybrid,
+        model,
+        lambda: hybrid.load_state_dict(stale if rank == 1 else fresh),
+        recover=lambda: hybrid.load_state_dict(fresh),
+    )
     return result
 
 
@@ -569,12 +605,15 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("amp_overflow", scenario_amp, ("overflow",)),
     ("presence", scenario_presence, (False,)),
     ("presence_amp", scenario_presence, (True,)),
+    ("backup_presence_gefen", scenario_backup_presence, ("gefen",)),
+    ("backup_presence_adamw", scenario_backup_presence, ("adamw",)),
     ("reversed", scenario_reversed, ()),
     ("layout_swap", scenario_layout_swap, ()),
     ("sparse", scenario_sparse, ()),
     ("load_schema", scenario_load_rejection, ("schema",)),
     ("load_child", scenario_load_rejection, ("child",)),
     ("load_adamw", scenario_load_rejection, ("adamw",)),
+    ("stale_muon_half", scenario_stale_muon_half, ()),
     ("round_trip_gefen", scenario_round_trip, ("gefen",)),
     ("round_trip_adamw", scenario_round_trip, ("adamw",)),
 ]
@@ -705,6 +744,29 @@ class TestGlooWorld2:
             # Raised in phase 2, before phase 3 read the controls: no gradient is unscaled
             # (no changes) and GradScaler's attributes are neither changed nor deleted.
             assert result["left"] == ({"found_inf": 0.0, "grad_scale": 8.0} if amp else {})
+        _unchanged_and_trains(results)
+
+    @pytest.mark.parametrize("backend", ["gefen", "adamw"])
+    def test_a_backup_gradient_missing_on_one_rank_fails_every_rank(
+        self, world: ScenarioWorld, backend: str
+    ) -> None:
+        # It used to be accepted: the rank without it skipped that backup shard silently.
+        results = world[f"backup_presence_{backend}"]
+        message = (
+            "GefenMuonHybrid step preflight: gradient presence differs across the process-group "
+            "members (every member must present the same; nothing was changed)"
+        )
+        _agreement_error(results, message, "gradient presence")
+        _unchanged_and_trains(results)
+
+    def test_a_stale_muon_half_on_one_rank_fails_every_rank(self, world: ScenarioWorld) -> None:
+        # It used to load: the Muon replicas then diverged silently.
+        results = world["stale_muon_half"]
+        message = (
+            "GefenMuonHybrid load validation: replicated state differs across the "
+            "process-group members (every member must present the same; nothing was changed)"
+        )
+        _agreement_error(results, message, "replicated state")
         _unchanged_and_trains(results)
 
     def test_reversed_muon_order_on_one_rank(self, world: ScenarioWorld) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gefen.muon.optimizer as optimizer_module
+import gefen.muon.plan as plan_module
 from gefen.core.testing import SNAPSHOT_ATTRIBUTES
 from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.muon import GefenMuon
@@ -243,13 +244,13 @@ def test_tensor_lr_is_read_once_per_group_with_work(monkeypatch: pytest.MonkeyPa
         [{"params": [a, b], "lr": torch.tensor(0.02)}, {"params": [c], "lr": torch.tensor(0.01)}]
     )
     reads: list[torch.Tensor] = []
-    original = optimizer_module.lr_value
+    original = plan_module.lr_value
 
     def counting(lr: Any) -> float:
         reads.append(lr)
         return original(lr)
 
-    monkeypatch.setattr(optimizer_module, "lr_value", counting)
+    monkeypatch.setattr(plan_module, "lr_value", counting)
     _grads([a, b], 0)
     optimizer.step()  # group 1 has no gradient: its lr is never read
     assert len(reads) == 1

@@ -71,6 +71,14 @@ PRESENCE = (
     "GefenMuon requires identical gradient presence on every rank of a DTensor mesh; "
     "mismatched parameters: {names}"
 )
+VOTED_PRESENCE = (
+    "GefenMuon step preflight: gradient presence differs across the process-group members "
+    "(every member must present the same; nothing was changed)"
+)
+STALE_REPLICA = (
+    "GefenMuon load validation: replicated state differs across the process-group members "
+    "(every member must present the same; nothing was changed)"
+)
 UNVERIFIABLE = "cannot verify cross-rank parameter order"
 
 # --- helpers that run inside the spawned ranks ------------------------------------------------
@@ -389,6 +397,24 @@ def scenario_load_rejection(rank: int, world_size: int, mode: str) -> dict[str, 
     return result
 
 
+def scenario_stale_replica(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """Rank 1 loads the file of one step earlier: exact/distributed state is a replica."""
+    model = _model()
+    optimizer = _muon(model.named_parameters(), mode)
+    _backward(model, rank, seed=0)
+    optimizer.step()
+    stale = copy.deepcopy(optimizer.state_dict())  # collective in "distributed"
+    _backward(model, rank, seed=1)
+    optimizer.step()
+    fresh = copy.deepcopy(optimizer.state_dict())
+    before = _capture(optimizer)
+    result = _attempt(lambda: optimizer.load_state_dict(stale if rank == 1 else fresh))
+    result["changes"] = _changes(optimizer, before)
+    optimizer.load_state_dict(fresh)  # the same file everywhere loads
+    result["after"] = _steps_together(optimizer, model, seed=90)
+    return result
+
+
 _COLLECTIVES = (
     "all_reduce",
     "broadcast",
@@ -457,6 +483,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("presence_later", scenario_presence, (True,)),
     ("presence_distributed", scenario_presence, (True, "distributed")),
     ("presence_amp", scenario_presence, (True, "exact", True)),
+    ("presence_approx", scenario_presence, (True, "approx")),
     ("reversed", scenario_reversed, (False,)),
     ("reversed_presence", scenario_reversed, (True,)),
     ("duplicate", scenario_duplicate, ()),
@@ -468,6 +495,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("load_exact", scenario_load_rejection, ("exact",)),
     ("load_distributed", scenario_load_rejection, ("distributed",)),
     ("load_approx", scenario_load_rejection, ("approx",)),
+    ("stale_exact", scenario_stale_replica, ("exact",)),
+    ("stale_distributed", scenario_stale_replica, ("distributed",)),
     ("plain", scenario_plain, ()),
 ]
 
@@ -568,6 +597,13 @@ class TestGlooWorld2:
         message = PRESENCE.format(names="2.weight")
         _agreement_error(world, "presence_distributed", message, "gradient presence")
 
+    def test_gradient_presence_mismatch_in_approx_mode_fails_every_rank(
+        self, world: ScenarioWorld
+    ) -> None:
+        # approx has no presence/order collective of its own: the step vote compares the
+        # presence pattern in its all-reduce (it used to skip the shard on one rank silently).
+        _agreement_error(world, "presence_approx", VOTED_PRESENCE, "gradient presence")
+
     def test_presence_mismatch_fails_before_amp_unscales(self, world: ScenarioWorld) -> None:
         message = PRESENCE.format(names="2.weight")
         _agreement_error(world, "presence_amp", message, "gradient presence")
@@ -648,6 +684,18 @@ class TestGlooWorld2:
             assert result["post_hooks"] == 0
             assert result["post_hooks_after_good_load"] == 1
             assert result["after"] == {"global_step": 2, "moved": True}
+
+    @pytest.mark.parametrize("mode", ["exact", "distributed"])
+    def test_a_stale_file_on_one_rank_fails_every_rank(
+        self, world: ScenarioWorld, mode: str
+    ) -> None:
+        # It used to load: the replicas then diverged silently.
+        for result in world[f"stale_{mode}"]:
+            assert result["error"] == f"GroupAgreementError: {STALE_REPLICA}"
+            assert result["what"] == "replicated state"
+            assert result["elapsed"] < DEADLINE_S
+            assert result["changes"] == []
+            assert result["after"] == {"global_step": 3, "moved": True}
 
     def test_plain_optimizer_enters_no_collective(self, world: ScenarioWorld) -> None:
         for result in world["plain"]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.state import is_initialized, validate_codebook
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import parameter_label
@@ -179,6 +180,7 @@ class PreparedLoad:
     global_step: int
     codebook: Tensor | None
     rank_local: dict[str, Any] | None
+    replica_words: tuple[int, int] = NO_REPLICA  # the load vote compares them (replicas.py)
 
     def agree(self, operation: GuardedOperation) -> None:
         """Symmetric checks on gathered data (the rank-local records, docs/dist.md §10.3)."""
@@ -325,9 +327,22 @@ class _Loader:
     def group(self, index: int, saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
         staged = {key: value for key, value in saved.items() if key not in ("params", EXTRAS_KEY)}
         defaults = self.optimizer.defaults
+        kept = (*LIVE_OPTIONS, "momentum_codec", "deterministic")
+        filled = [name for name in defaults if name not in staged and name not in kept]
+        if filled:
+            # A group saved without an option (a hand-edited or older checkpoint): say which
+            # value it gets, instead of silently training with the constructor's.
+            values = ", ".join(f"{name}={defaults[name]!r}" for name in filled)
+            warnings.warn(
+                f"{self.optimizer.OWNER_NAME} checkpoint: group {index} was saved without "
+                f"{', '.join(repr(name) for name in filled)}; the constructor's values are "
+                f"used ({values})",
+                UserWarning,
+                stacklevel=5,
+            )
         for name, value in defaults.items():
             staged.setdefault(name, value)
-        for name in (*LIVE_OPTIONS, "momentum_codec", "deterministic"):
+        for name in kept:
             if name in defaults:
                 staged[name] = defaults[name]
         if isinstance(staged.get("betas"), list):
@@ -446,6 +461,10 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
     device = flat_params[0].device if flat_params else torch.device("cpu")
     if codebook is not None:
         codebook = codebook.detach().to(device=device, copy=True)
+    positions = optimizer.replicated_positions(staged_groups)
+    words = NO_REPLICA
+    if positions is not None:
+        words = replica_words(extras["global_step"], codebook, [saved.get(i) for i in positions])
     return PreparedLoad(
         optimizer,
         new_state,
@@ -453,4 +472,5 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
         extras["global_step"],
         codebook,
         extras.get("rank_local"),
+        words,
     )

@@ -29,7 +29,7 @@ from gefen.contracts import (
 )
 
 if TYPE_CHECKING:
-    from gefen.core.shell import OptimizerShell
+    from gefen.core.participant import ShellInterface
 
 __all__ = [
     "api_flags",
@@ -141,7 +141,7 @@ def _checkpoints(collective: bool) -> tuple[CheckpointSupport, ...]:
     )
 
 
-def api_flags(optimizer: OptimizerShell) -> dict[str, bool]:
+def api_flags(optimizer: ShellInterface) -> dict[str, bool]:
     """The explicit-scope flags (§13): the API ones are static, the identity ones live."""
     finalized = optimizer.finalized is not None
     return {
@@ -153,7 +153,7 @@ def api_flags(optimizer: OptimizerShell) -> dict[str, bool]:
     }
 
 
-def finalized_training(optimizer: OptimizerShell) -> tuple[TrainingSupport, ...]:
+def finalized_training(optimizer: ShellInterface) -> tuple[TrainingSupport, ...]:
     """Once finalized, the installed layouts, trained with the adapter's process group; a
     whole-parameter owner's update must be copied to the non-owners after each step."""
     finalized = optimizer.finalized
@@ -171,7 +171,7 @@ def finalized_training(optimizer: OptimizerShell) -> tuple[TrainingSupport, ...]
 
 
 def gefen_contract(
-    optimizer: OptimizerShell, groups: Sequence[Mapping[str, Any]], implementation: str
+    optimizer: ShellInterface, groups: Sequence[Mapping[str, Any]], implementation: str
 ) -> OptimizerContract:
     """Build the contract from the live options and failure scope; reads only."""
     codebook8 = optimizer.defaults["momentum_codec"] == "codebook8"

@@ -6,7 +6,8 @@ this module, and ``gefen.core.testing`` in their own testing helpers; the lint c
 so the boundary between the distributions is this list and nothing else. A third-party optimizer
 built on the shell uses the same list. Names are grouped by what they are for:
 
-* the shell and its transactions: ``OptimizerShell`` (subclass it), ``PreparedLoad``,
+* the shell and its transactions: ``OptimizerShell`` (subclass it), ``ShellInterface`` (its
+  public members, to type helpers with instead of the class), ``PreparedLoad``,
   ``PreparedFinalization``, ``run_step`` / ``run_load`` / ``STEP_SIGNATURE`` /
   ``HookedStepState`` (the step and load templates for a composite), ``copy_containers``;
 * state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
@@ -33,6 +34,7 @@ from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.loading import stage_entries
 from gefen.core.options import check_flag, check_lr, check_optimizer_wide, lr_value
+from gefen.core.participant import ShellInterface
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
 from gefen.core.transaction import (
@@ -62,6 +64,7 @@ __all__ = [
     "OptimizerShell",
     "PreparedFinalization",
     "PreparedLoad",
+    "ShellInterface",
     "StagedLearning",
     "allocate_entry",
     "amp_scaling_supported",

@@ -4,13 +4,17 @@ normalising the group and checking its membership, before the shell publishes an
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from gefen.core.options import check_optimizer_wide
 from gefen.core.validation import SUPPORTED_DTYPES
 
-__all__ = ["check_membership", "check_param_tensor", "normalised_group"]
+if TYPE_CHECKING:
+    from gefen.core.participant import ShellInterface
+
+__all__ = ["check_membership", "check_param_tensor", "checked_new_group", "normalised_group"]
 
 _DUPLICATE = "some parameters appear in more than one parameter group"
 
@@ -79,3 +83,20 @@ def check_membership(candidate: Mapping[str, Any], param_groups: list[dict[str, 
                 "all optimizer param groups should be with/without names. "
                 f"cannot add param group {kind} to the optimizer"
             )
+
+
+def checked_new_group(
+    optimizer: ShellInterface, param_group: object, *, finalized: bool
+) -> dict[str, Any]:
+    """``add_param_group``'s shared checks, no mutation: a dict, not after ``post_sharding``,
+    no optimizer-wide option, then the normalised group, whose parameters are new."""
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+    if finalized:
+        raise RuntimeError(
+            f"{optimizer.OWNER_NAME} is finalized by post_sharding: add_param_group is refused"
+        )
+    check_optimizer_wide(param_group, optimizer.defaults, optimizer.OPTIMIZER_WIDE)
+    candidate = normalised_group(param_group, optimizer.defaults)
+    check_membership(candidate, optimizer.param_groups)
+    return candidate

@@ -56,10 +56,37 @@ class _PlannedUpdate:
 
 
 class Gefen(OptimizerShell):
-    """AdamW with 8-bit codebook momentum and a block or factored second moment.
+    r"""AdamW with 8-bit codebook momentum and a block or factored second moment.
 
-    See the package README for the options; every hyperparameter has a default in
-    ``defaults`` so ``add_param_group`` and the LR schedulers work as with AdamW.
+    About one byte of optimizer state per parameter (AdamW keeps eight). The algorithm, per
+    parameter with a gradient :math:`g_t` (normative order and rounding: docs/core.md §6):
+
+    .. math::
+        \begin{aligned}
+        &G = \mathrm{fp32}(g_t)\ \text{viewed as } B \text{ blocks of period } P
+            \text{ (chosen once from the first gradient, §4)} \\
+        &\textbf{second moment: } v \leftarrow \beta_2 v + (1-\beta_2)\,
+            \overline{G^2}\quad (\text{one value per block, or row and column means of a
+            matrix: } \hat v_{ij} = v^{row}_i v^{col}_j / \overline{v^{row}}) \\
+        &\textbf{momentum: } \hat m_t = \mathrm{dec}\big(\mathrm{enc}\big(\mathrm{lerp}
+            (\mathrm{dec}(c_{t-1}, s_{t-1}), G, 1-\beta_1)\big)\big)
+            \quad (c: \text{uint8 codes into the learned 256-value codebook, } s:
+            \text{block absmax}) \\
+        &p_t = p_{t-1}(1 - \gamma\lambda) - \gamma\, \frac{\hat m_t / (1-\beta_1^t)}
+            {\sqrt{v / (1-\beta_2^\tau)} + \epsilon}
+        \end{aligned}
+
+    The update uses the re-quantized momentum :math:`\hat m_t` (what is stored is what is
+    applied). The codebook is learned once from the first gradients' histogram and refreshed
+    every ``codebook_refresh_every`` steps. ``momentum_codec="none"`` keeps an fp32 momentum
+    instead. Every hyperparameter has a default in ``defaults`` so ``add_param_group`` and the
+    LR schedulers work as with AdamW; the package README lists the options.
+
+    Args:
+        params: parameters or parameter groups, as for ``torch.optim.AdamW``.
+        lr (float or 1-element Tensor): :math:`\gamma`. betas: :math:`(\beta_1, \beta_2)`.
+        eps: :math:`\epsilon`, outside the square root. weight_decay: :math:`\lambda`,
+            decoupled, applied with the raw ``lr``.
     """
 
     OWNER_NAME: ClassVar[str] = "Gefen"

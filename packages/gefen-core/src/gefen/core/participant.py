@@ -29,6 +29,7 @@ class ShellInterface(Protocol):
     """What ``OptimizerShell`` (``Gefen``, ``GefenMuon``) offers its transactions."""
 
     OWNER_NAME: ClassVar[str]
+    OPTIMIZER_WIDE: ClassVar[tuple[str, ...]]
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]]
     CODEC_KEYS: ClassVar[CodecKeys]
     POST_SHARDING_LAYOUTS: ClassVar[tuple[Any, ...]]
@@ -62,6 +63,7 @@ class ShellInterface(Protocol):
     def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]: ...
     def checkpoint_extras(self, entries: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]: ...
     def rank_local_checkpoint(self) -> bool: ...
+    def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None: ...
     def stage_entries(
         self,
         saved_state: Mapping[int, Any],

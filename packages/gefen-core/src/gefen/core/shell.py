@@ -29,10 +29,9 @@ from gefen.core.checkpoint import (
 )
 from gefen.core.finalization import PreparedFinalization, prepare_finalization
 from gefen.core.fused import KernelSelector
-from gefen.core.groups import check_membership, normalised_group
+from gefen.core.groups import checked_new_group
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
-from gefen.core.options import check_optimizer_wide
 from gefen.core.scoped import scope_header_payload
 from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.state import CodecKeys, EntrySpec, entries_nbytes
@@ -131,6 +130,10 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Whether checkpoints are rank-local (carry ``"rank_local"``, docs/dist.md §10.3)."""
         return "rank_local" in self.OPTIONAL_EXTRAS and len(self.step_failure_scope()) > 0
 
+    def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None:
+        """Flat positions whose state is identical on every rank (None: no replica)."""
+        return None
+
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
         """Registration-only rules for a normalised new group (GefenMuon: 2-D parameters, no
         mixed sharded modes); the step preflight does not repeat them."""
@@ -187,15 +190,8 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """All-or-nothing: the whole group is validated before anything is registered."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
-        if self.__dict__.get("_finalized") is not None:
-            raise RuntimeError(
-                f"{self.OWNER_NAME} is finalized by post_sharding: add_param_group is refused"
-            )
-        check_optimizer_wide(param_group, self.defaults, self.OPTIMIZER_WIDE)
-        candidate = normalised_group(param_group, self.defaults)
-        check_membership(candidate, self.param_groups)
+        finalized = self.__dict__.get("_finalized") is not None
+        candidate = checked_new_group(self, param_group, finalized=finalized)
         self._validate_registration(candidate)
         self.validate_group(candidate)
         # Publish: the caller's dict itself becomes the group, as in torch.
@@ -248,6 +244,10 @@ class OptimizerShell(HookedStepState, Optimizer):
             self._steady = token  # what passed; the plan and learning caches key on it
         if self.defaults.get("check_finite", True) and not amp_present:
             check_finite_gradients(self.param_groups)
+
+    def gradient_presence(self) -> list[bool]:
+        """Which parameters have a gradient, in group order (the vote agrees on it)."""
+        return [param.grad is not None for group in self.param_groups for param in group["params"]]
 
     def _validate_changed_groups(self) -> None:
         """§2.2 at the edges: a group's options are re-validated only when one of them changed
@@ -360,14 +360,9 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Learning of §5.5–§5.6; skipped while the steady-state token and the codebook are those
         of a step that had nothing to learn and no refresh is due."""
         steady, codebook = self.__dict__.get("_steady"), self._codebook
-        idle = self.__dict__.get("_learning_idle")
-        if (
-            steady is not None
-            and idle is not None
-            and idle[0] is steady
-            and idle[1] is codebook
-            and not codebook_ops.refresh_due(self)
-        ):
+        idle = self.__dict__.get("_learning_idle") or (None, None)
+        due = codebook_ops.refresh_due(self)
+        if steady is not None and idle[0] is steady and idle[1] is codebook and not due:
             return StagedLearning()
         learning = codebook_ops.stage_step_learning(self, op)
         nothing = not (learning.noop or learning.periods or learning.codebook is not None)

@@ -22,6 +22,7 @@ from gefen.dist import (
     PHASE_STEP_PREFLIGHT,
     GuardedOperation,
     prepare_synchronized_amp_step,
+    presence_words,
 )
 from gefen.dist.torch_internals import (
     HOOK_REGISTRIES,
@@ -82,6 +83,7 @@ class StepParticipant(Protocol):
     def guarded_operation(self) -> GuardedOperation: ...
     def check_latch(self) -> None: ...
     def validate_step_inputs(self, *, amp_present: bool) -> None: ...
+    def gradient_presence(self) -> list[bool]: ...
     def step_header_payload(self) -> Any: ...
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
     def check_step_agreement(self) -> None: ...
@@ -89,6 +91,8 @@ class StepParticipant(Protocol):
 
 
 class PreparedLoadLike(Protocol):
+    @property
+    def replica_words(self) -> tuple[int, int]: ...
     def agree(self, operation: GuardedOperation) -> None: ...
     def commit(self) -> None: ...
     def run_post_hooks(self) -> None: ...
@@ -133,6 +137,14 @@ def _local_preflight(
     return loss, args, kwargs, optimizer.step_header_payload()
 
 
+def _agreed_preflight(
+    optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, tuple[Any, ...], dict[str, Any], Any], tuple[int, int]]:
+    """Phase 1 and the gradient-presence words the vote agrees on."""
+    outcome = _local_preflight(optimizer, args, kwargs)
+    return outcome, presence_words(optimizer.gradient_presence())
+
+
 def _run_post_hooks(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -174,9 +186,20 @@ def run_step(
     op = optimizer.guarded_operation()
     args: tuple[Any, ...] = (optimizer, *call_args)
     kwargs: dict[str, Any] = dict(call_kwargs)
-    loss, args, kwargs, payload = op.local(
-        PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs
-    )
+    if op.scope and op.binding is None:
+        # Ranks that disagree on which gradients exist would update different shards: the vote
+        # checks the presence pattern in its own all-reduce (docs/dist.md §5). The binding form
+        # keeps its one-word vote, so every operation of a codebook scope starts with the same
+        # all-reduce and a mismatched operation fails cleanly at the operation header.
+        loss, args, kwargs, payload = op.local_agreeing(
+            PHASE_STEP_PREFLIGHT,
+            "gradient presence",
+            lambda: _agreed_preflight(optimizer, args, kwargs),
+        )
+    else:
+        loss, args, kwargs, payload = op.local(
+            PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs
+        )
     optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
     try:
@@ -201,10 +224,20 @@ def run_load(
 ) -> None:
     """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
     op = optimizer.guarded_operation()
-    prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
+    if op.scope and op.binding is None:
+        # One stale file on one rank must not load: replicated state is compared in the vote.
+        prepared = op.local_agreeing(
+            PHASE_LOAD_VALIDATION, "replicated state", lambda: _with_replica_words(prepare())
+        )
+    else:
+        prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
     prepared.agree(op)
     prepared.commit()
     prepared.run_post_hooks()
+
+
+def _with_replica_words(prepared: PreparedLoadLike) -> tuple[PreparedLoadLike, tuple[int, int]]:
+    return prepared, prepared.replica_words
 
 
 def copy_containers(value: Any) -> Any:

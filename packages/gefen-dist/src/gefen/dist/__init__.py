@@ -27,6 +27,7 @@ from gefen.dist.runtime import collective, cuda_graph_capturing
 from gefen.dist.scope import Channel, collect_failure_scope, mesh_key
 from gefen.dist.transport import TransportLimits, all_gather_records, broadcast_owner_state
 from gefen.dist.vote import (
+    AGREEMENT_WIDTH,
     PHASE_AMP_CONTROL_PREFLIGHT,
     PHASE_AMP_PREPARATION,
     PHASE_CODEBOOK_SOLVE,
@@ -40,10 +41,13 @@ from gefen.dist.vote import (
     PHASE_REFRESH_PREAMBLE,
     PHASE_STEP_PREFLIGHT,
     any_true_over,
+    presence_words,
     synchronize_step_error,
+    vote_over,
 )
 
 __all__ = [
+    "AGREEMENT_WIDTH",
     "PHASE_AMP_CONTROL_PREFLIGHT",
     "PHASE_AMP_PREPARATION",
     "PHASE_CODEBOOK_SOLVE",
@@ -80,6 +84,8 @@ __all__ = [
     "mesh_key",
     "parse_amp_controls",
     "prepare_synchronized_amp_step",
+    "presence_words",
     "rank_local_header",
     "synchronize_step_error",
+    "vote_over",
 ]

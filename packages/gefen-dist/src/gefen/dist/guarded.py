@@ -17,7 +17,7 @@ from gefen.dist.binding import ProcessGroupBinding
 from gefen.dist.errors import GroupAgreementError
 from gefen.dist.runtime import collective
 from gefen.dist.scope import Channel
-from gefen.dist.vote import any_true_over, synchronize_step_error
+from gefen.dist.vote import AGREEMENT_WIDTH, any_true_over, synchronize_step_error
 
 __all__ = [
     "HEADER_MAGIC",
@@ -131,17 +131,27 @@ class GuardedOperation:
 
     def local(self, phase: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` and the binding-swap check, then vote the outcome over the scope."""
+        return self.local_agreeing(phase, "", lambda: (fn(*args, **kwargs), ()))
+
+    def local_agreeing(self, phase: str, what: str, fn: Callable[[], tuple[T, Sequence[int]]]) -> T:
+        """``local`` for an ``fn`` returning ``(result, words)``: the vote also checks, in the same
+        all-reduce, that every member returned equal words (``AGREEMENT_WIDTH`` of them, or none
+        at all); a difference raises ``GroupAgreementError`` naming ``what`` on every member."""
         error: Exception | None = None
         result: T | None = None
+        words: Sequence[int] = ()
         try:
-            result = fn(*args, **kwargs)
+            result, words = fn()
             if self._binding_getter is not None and self._binding_getter() is not self.binding:
                 raise RuntimeError(
                     f"{self.owner_name} process-group binding changed during the {phase}"
                 )
         except Exception as exc:
             error = exc
-        synchronize_step_error(error, phase, self.scope, self.owner_name)
+        if what and (error is not None or len(words) != AGREEMENT_WIDTH):
+            words = (0,) * AGREEMENT_WIDTH  # a failing member's vote keeps its length
+        agreement = (what, words) if what else None
+        synchronize_step_error(error, phase, self.scope, self.owner_name, agreement=agreement)
         return result  # type: ignore[return-value]  # set whenever no error was voted
 
     # -- binding-form helpers -----------------------------------------------------------------

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from gefen.dist.errors import DistributedStepError
+from gefen.dist.errors import DistributedStepError, GroupAgreementError
 from gefen.dist.runtime import collective
 from gefen.dist.scope import Channel
 
 __all__ = [
+    "AGREEMENT_WIDTH",
     "PHASE_AMP_CONTROL_PREFLIGHT",
     "PHASE_AMP_PREPARATION",
     "PHASE_CODEBOOK_SOLVE",
@@ -24,7 +26,9 @@ __all__ = [
     "PHASE_REFRESH_PREAMBLE",
     "PHASE_STEP_PREFLIGHT",
     "any_true_over",
+    "presence_words",
     "synchronize_step_error",
+    "vote_over",
 ]
 
 PHASE_STEP_PREFLIGHT = "step preflight"
@@ -41,29 +45,60 @@ PHASE_OWNER_STATE_METADATA = "owner state metadata"
 PHASE_RECORD_PREPARATION = "record preparation"
 
 
+AGREEMENT_WIDTH = 2
+"""Words a voted phase may also agree on (``presence_words``): fixed, so every member's vote
+has the same length whatever it found."""
+
+
 @collective
-def any_true_over(scope: Sequence[Channel], flag: bool) -> bool:
-    """True on every member when ``flag`` is true on any: one MAX all-reduce per channel, folded
-    channel by channel. Every rank enters every channel (no short-circuit), so a true flag
-    travels along the chain to every rank the scope links. An empty scope returns ``flag``."""
+def vote_over(scope: Sequence[Channel], flag: bool, words: Sequence[int] = ()) -> tuple[bool, bool]:
+    """(whether ``flag`` is true on any member, whether every member passed equal ``words``):
+    one MAX all-reduce per channel of ``[flag, *words, *-words]``, folded channel by channel,
+    so the agreement costs no extra round trip. Every rank enters every channel (no
+    short-circuit), so the folded values reach every rank the scope links. Words must fit in
+    int64 and have the same length on every member. An empty scope returns ``(flag, True)``."""
     import torch.distributed as dist
 
-    seen = bool(flag)
+    values = [1 if flag else 0, *words, *(-word for word in words)]
     for channel in scope:
-        value = torch.tensor([1 if seen else 0], dtype=torch.int32, device=channel.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=channel.process_group)
-        seen = bool(value.item())
-    return seen
+        folded = torch.tensor(values, dtype=torch.int64, device=channel.device)
+        dist.all_reduce(folded, op=dist.ReduceOp.MAX, group=channel.process_group)
+        values = folded.tolist()
+    width = len(words)
+    agree = all(values[1 + i] == -values[1 + width + i] for i in range(width))  # max == min
+    return bool(values[0]), agree
+
+
+def any_true_over(scope: Sequence[Channel], flag: bool) -> bool:
+    """True on every member when ``flag`` is true on any (``vote_over`` without words)."""
+    return vote_over(scope, flag)[0]
+
+
+def presence_words(present: Iterable[bool]) -> tuple[int, int]:
+    """The ``AGREEMENT_WIDTH`` words of a gradient-presence pattern: a 56-bit digest of the
+    flags in order, and how many are set (equal words on every member = equal patterns, up to
+    a digest collision)."""
+    flags = bytes(1 if flag else 0 for flag in present)
+    digest = int.from_bytes(hashlib.blake2b(flags, digest_size=7).digest(), "big")
+    return digest, sum(flags)
 
 
 def synchronize_step_error(
-    error: Exception | None, phase: str, scope: Sequence[Channel], owner_name: str
+    error: Exception | None,
+    phase: str,
+    scope: Sequence[Channel],
+    owner_name: str,
+    *,
+    agreement: tuple[str, Sequence[int]] | None = None,
 ) -> None:
     """Make every member of ``scope`` fail together when any of them captured ``error``.
 
     Empty scope: the captured exception is re-raised unchanged (same object), so single-process
     callers see exactly what they would without this library. Callers capture with
     ``except Exception`` only: ``KeyboardInterrupt`` and friends propagate unvoted.
+    ``agreement=(what, words)`` (``AGREEMENT_WIDTH`` words; a failing member passes zeros)
+    rides in the same all-reduce: when nobody failed but the words differ, every member raises
+    the same ``GroupAgreementError`` naming ``what``.
     """
     if error is not None and not isinstance(error, Exception):
         raise TypeError(
@@ -73,7 +108,16 @@ def synchronize_step_error(
         if error is not None:
             raise error
         return
-    if not any_true_over(scope, error is not None):
+    what, words = agreement if agreement is not None else ("", ())
+    failed, agree = vote_over(scope, error is not None, words)
+    if not failed:
+        if not agree:
+            raise GroupAgreementError(
+                f"{owner_name} {phase}: {what} differs across the process-group members "
+                "(every member must present the same; nothing was changed)",
+                owner_name=owner_name,
+                what=what,
+            )
         return
     if error is not None:
         import torch.distributed as dist

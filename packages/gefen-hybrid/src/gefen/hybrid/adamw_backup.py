@@ -38,6 +38,7 @@ class PreparedAdamWLoad:
     backup: torch.optim.Optimizer
     state: Any
     param_groups: list[dict[str, Any]]
+    replica_words: tuple[int, int] = (0, 0)  # rank-local: nothing the load vote compares
 
     def agree(self, operation: object) -> None:
         """Nothing to agree on: an AdamW backup's state is rank-local."""

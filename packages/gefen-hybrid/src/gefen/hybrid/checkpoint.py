@@ -7,6 +7,7 @@ staging of both children) and returns a ``PreparedHybridLoad``; the shared load 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_h
 from gefen.hybrid.adamw_participant import PreparedChildLoad
 
 if TYPE_CHECKING:
-    from gefen.hybrid.optimizer import GefenMuonHybrid
+    from gefen.hybrid.composite import HybridInterface
 
 __all__ = ["PreparedHybridLoad", "build_hybrid_state_dict", "prepare_hybrid_load"]
 
@@ -29,7 +30,7 @@ _SCHEMA = (
 )
 
 
-def build_hybrid_state_dict(hybrid: GefenMuonHybrid) -> dict[str, Any]:
+def build_hybrid_state_dict(hybrid: HybridInterface) -> dict[str, Any]:
     """The nested dict of §8, from the children's public ``state_dict()`` (their hooks fire)."""
     return {
         "muon": None if hybrid.muon is None else hybrid.muon.state_dict(),
@@ -42,9 +43,18 @@ def build_hybrid_state_dict(hybrid: GefenMuonHybrid) -> dict[str, Any]:
 class PreparedHybridLoad:
     """Both children's staged loads; ``commit`` cannot fail."""
 
-    hybrid: GefenMuonHybrid
+    hybrid: HybridInterface
     muon: PreparedChildLoad | None
     backup: PreparedChildLoad | None
+
+    @property
+    def replica_words(self) -> tuple[int, int]:
+        """Both children's replica words, folded (what the load vote compares)."""
+        words = [child.replica_words for child in (self.muon, self.backup) if child is not None]
+        if all(word == (0, 0) for word in words):
+            return (0, 0)
+        digest = hashlib.blake2b(repr(words).encode(), digest_size=7).digest()
+        return int.from_bytes(digest, "big"), sum(count for _, count in words)
 
     def agree(self, operation: GuardedOperation) -> None:
         for prepared in (self.muon, self.backup):
@@ -52,7 +62,7 @@ class PreparedHybridLoad:
                 prepared.agree(operation)
 
     def commit(self) -> None:
-        self.hybrid.publish_load(self)
+        self.hybrid.publish_load(self.muon, self.backup)
 
     def run_post_hooks(self) -> None:
         for prepared in (self.muon, self.backup):
@@ -61,7 +71,7 @@ class PreparedHybridLoad:
         run_load_post_hooks(self.hybrid)
 
 
-def _check_halves(hybrid: GefenMuonHybrid, sd: Mapping[str, Any]) -> None:
+def _check_halves(hybrid: HybridInterface, sd: Mapping[str, Any]) -> None:
     for half, live in (("muon", hybrid.muon), ("backup", hybrid.backup)):
         saved = sd.get(half)
         if live is None and saved is not None:
@@ -80,7 +90,7 @@ def _check_halves(hybrid: GefenMuonHybrid, sd: Mapping[str, Any]) -> None:
             )
 
 
-def prepare_hybrid_load(hybrid: GefenMuonHybrid, state_dict: Any) -> PreparedHybridLoad:
+def prepare_hybrid_load(hybrid: HybridInterface, state_dict: Any) -> PreparedHybridLoad:
     """Steps 1–5 of §8: nothing of the hybrid, its children or the caller's dict changes."""
     hybrid.check_layout()
     copied = copy_with_load_pre_hooks(hybrid, copy_containers(state_dict))

@@ -26,7 +26,7 @@ from gefen.contracts import (
 )
 
 if TYPE_CHECKING:
-    from gefen.hybrid.optimizer import GefenMuonHybrid
+    from gefen.hybrid.composite import HybridInterface
 
 __all__ = ["hybrid_contract"]
 
@@ -48,7 +48,7 @@ def _adamw_training() -> tuple[TrainingSupport, ...]:
     )
 
 
-def _children(hybrid: GefenMuonHybrid) -> tuple[OptimizerChildContract, ...]:
+def _children(hybrid: HybridInterface) -> tuple[OptimizerChildContract, ...]:
     children = []
     if hybrid.muon is not None:
         children.append(
@@ -87,7 +87,7 @@ def _native_layouts(child: OptimizerChildContract) -> frozenset[ParameterLayout]
     return frozenset().union(*native)
 
 
-def hybrid_contract(hybrid: GefenMuonHybrid) -> OptimizerContract:
+def hybrid_contract(hybrid: HybridInterface) -> OptimizerContract:
     """Build the composite contract from the live children; reads only."""
     children = _children(hybrid)
     training: list[TrainingSupport] = []

@@ -16,12 +16,12 @@ from gefen.core.extension import OptimizerShell, PreparedFinalization
 from gefen.dist import CodebookProcessGroupBinding, ProcessGroupBinding
 
 if TYPE_CHECKING:
-    from gefen.hybrid.optimizer import GefenMuonHybrid
+    from gefen.hybrid.composite import HybridInterface
 
 __all__ = ["children_binding", "forward_post_sharding"]
 
 
-def children_binding(hybrid: GefenMuonHybrid) -> ProcessGroupBinding | None:
+def children_binding(hybrid: HybridInterface) -> ProcessGroupBinding | None:
     """The one binding every Gefen-backed child carries, or None; different ones → error."""
     bindings = {id(child.binding): child.binding for _, child in hybrid.participants}
     if len(bindings) > 1:
@@ -30,7 +30,7 @@ def children_binding(hybrid: GefenMuonHybrid) -> ProcessGroupBinding | None:
 
 
 def forward_post_sharding(
-    hybrid: GefenMuonHybrid,
+    hybrid: HybridInterface,
     rebindings: Iterable[ParameterRebinding],
     manifest: ShardingManifest,
     binding: CodebookProcessGroupBinding | None,

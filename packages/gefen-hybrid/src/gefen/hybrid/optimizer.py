@@ -35,9 +35,8 @@ from gefen.dist import (
 )
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
 from gefen.dist.torch_internals import HOOK_REGISTRIES, fresh_hook_registries, state_dict_with_hooks
-from gefen.hybrid.adamw_participant import AdamWParticipant, ChildParticipant
+from gefen.hybrid.adamw_participant import AdamWParticipant, ChildParticipant, PreparedChildLoad
 from gefen.hybrid.checkpoint import (
-    PreparedHybridLoad,
     build_hybrid_state_dict,
     prepare_hybrid_load,
 )
@@ -55,7 +54,18 @@ _LATCHED = (
 
 
 class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
-    """Muon for hidden matrices, Gefen (or AdamW) for the rest, as one torch optimizer."""
+    """Muon for hidden matrices, Gefen (or AdamW) for the rest, as one torch optimizer.
+
+    Routing (docs/hybrid.md §4): every 2-D hidden matrix goes to a ``GefenMuon`` child (the
+    algorithm of ``GefenMuon``); embeddings, heads, norms, biases and anything matching
+    ``backup_substrings`` go to the backup, a ``Gefen`` (default) or ``torch.optim.AdamW``
+    (``backup_optimizer="adamw"``). One ``step()`` is one transaction over both children: one
+    preflight (each child's checks, the AdamW backup's options included) voted once, one AMP
+    decision, then Muon's streamed commit and the backup's; a failure in either commit latches
+    the hybrid. ``lr`` is the backup's; ``muon_lr`` defaults to it with
+    ``adjust_lr_fn="match_rms_adamw"`` so AdamW learning rates and weight decay carry over.
+    The checkpoint nests the children's: ``{"muon", "backup", "backup_optimizer"}``.
+    """
 
     OWNER_NAME: ClassVar[str] = "GefenMuonHybrid"
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
@@ -277,6 +287,10 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         for _, participant in self._participants:
             participant.validate_step_inputs(amp_present=amp_present)
 
+    def gradient_presence(self) -> list[bool]:
+        """Each child's presence pattern, Muon first (what the step vote agrees on)."""
+        return [flag for _, child in self._participants for flag in child.gradient_presence()]
+
     def gefen_children(self) -> tuple[OptimizerShell, ...]:
         """The children that are Gefen optimizers (they carry a codebook binding)."""
         return tuple(child for child in self.children if isinstance(child, OptimizerShell))
@@ -331,9 +345,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         """Atomic over both children: prepare (voted), agree, commit, post-hooks."""
         run_load(self, lambda: prepare_hybrid_load(self, state_dict))
 
-    def publish_load(self, prepared: PreparedHybridLoad) -> None:
+    def publish_load(
+        self, muon: PreparedChildLoad | None, backup: PreparedChildLoad | None
+    ) -> None:
         """The load's publication: each child's staged load, then the latch clears."""
-        for child_load in (prepared.muon, prepared.backup):
+        for child_load in (muon, backup):
             if child_load is not None:
                 child_load.commit()
         self._commit_failed = False

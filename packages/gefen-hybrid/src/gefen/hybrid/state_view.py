@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from gefen.hybrid.optimizer import GefenMuonHybrid
+    from gefen.hybrid.composite import HybridInterface
 
 __all__ = ["HybridState"]
 
@@ -27,7 +27,7 @@ _READ_ONLY = (
 class HybridState(Mapping[Tensor, Any]):
     """Maps each registered parameter to its owning child's ``state[p]``."""
 
-    def __init__(self, hybrid: GefenMuonHybrid) -> None:
+    def __init__(self, hybrid: HybridInterface) -> None:
         self._hybrid = hybrid
 
     def _owner(self, key: object) -> Any:

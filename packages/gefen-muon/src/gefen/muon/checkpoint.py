@@ -19,7 +19,7 @@ from gefen.muon.kernels import stable_owner
 from gefen.muon.modes import APPROX, DistributedSlot, distributed_slots
 
 if TYPE_CHECKING:
-    from gefen.muon.optimizer import GefenMuon
+    from gefen.core.extension import ShellInterface
 
 __all__ = ["check_checkpoint_binding", "consolidated_entries", "manifest", "stage_muon_entries"]
 
@@ -44,7 +44,7 @@ def _names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
 # -- checkpoint bindings (§8 "Checkpoint binding") ------------------------------------------------
 
 
-def check_checkpoint_binding(optimizer: GefenMuon, binding: object) -> None:
+def check_checkpoint_binding(optimizer: ShellInterface, binding: object) -> None:
     """The binding must match the installed codebook binding, else the one eligible distributed
     process group (same handle object, its collective device, one member per rank)."""
     if binding is None:
@@ -82,7 +82,7 @@ def check_checkpoint_binding(optimizer: GefenMuon, binding: object) -> None:
 # -- save ---------------------------------------------------------------------------------------
 
 
-def consolidated_entries(optimizer: GefenMuon) -> dict[int, dict[str, Any]]:
+def consolidated_entries(optimizer: ShellInterface) -> dict[int, dict[str, Any]]:
     """Every entry by flat index; a distributed parameter's is its owner's, on every rank.
 
     Collective whenever eligible distributed groups exist: every rank must call it.
@@ -99,7 +99,7 @@ def consolidated_entries(optimizer: GefenMuon) -> dict[int, dict[str, Any]]:
 
 
 def manifest(
-    optimizer: GefenMuon, entries: Mapping[int, Mapping[str, Any]]
+    optimizer: ShellInterface, entries: Mapping[int, Mapping[str, Any]]
 ) -> dict[str, Any] | None:
     """The consolidation manifest, or None without eligible distributed groups."""
     slots_per_group = distributed_slots(optimizer.indexed_params())
@@ -136,7 +136,7 @@ class _ManifestCheck:
     """Rules 2–5 of §8 against the live optimizer and the saved entries (by flat index)."""
 
     def __init__(
-        self, optimizer: GefenMuon, saved: Mapping[int, Any], groups: list[dict[str, Any]]
+        self, optimizer: ShellInterface, saved: Mapping[int, Any], groups: list[dict[str, Any]]
     ) -> None:
         self.optimizer = optimizer
         self.saved = saved
@@ -251,7 +251,7 @@ def _indexed(groups: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], Te
     return [(index, group, param) for index, (group, param) in enumerate(flat)]
 
 
-def _structural_modes(optimizer: GefenMuon, groups: list[dict[str, Any]]) -> None:
+def _structural_modes(optimizer: ShellInterface, groups: list[dict[str, Any]]) -> None:
     """``sharded_mode`` is never overwritten by a load; approx never exchanges with the rest."""
     for index, (staged, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
         saved_mode, live_mode = staged["sharded_mode"], live["sharded_mode"]
@@ -270,7 +270,7 @@ def _normuon_pair(spec: Any, entry: dict[str, Any], where: str, param: Any) -> d
 
 
 def stage_muon_entries(
-    optimizer: GefenMuon,
+    optimizer: ShellInterface,
     saved_state: Mapping[int, Any],
     groups: list[dict[str, Any]],
     extras: Mapping[str, Any],

@@ -29,7 +29,7 @@ from gefen.contracts import (
 from gefen.core.extension import api_flags, extras_field, finalized_training, parameter_field
 
 if TYPE_CHECKING:
-    from gefen.muon.optimizer import GefenMuon
+    from gefen.core.extension import ShellInterface
 
 __all__ = ["muon_contract"]
 
@@ -135,7 +135,7 @@ def _checkpoints(modes: set[str], collective: bool) -> tuple[CheckpointSupport, 
     return (native, rank_local)
 
 
-def muon_contract(optimizer: GefenMuon) -> OptimizerContract:
+def muon_contract(optimizer: ShellInterface) -> OptimizerContract:
     """Build the contract from the live options and failure scope; reads only."""
     modes = {str(group["sharded_mode"]) for group in optimizer.param_groups}
     collective = len(optimizer.step_failure_scope()) > 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -30,7 +29,6 @@ from gefen.core.extension import (
     eager_advance_momentum_,
     is_initialized,
     local_tensor,
-    lr_value,
     run_step,
     select_period,
 )
@@ -39,8 +37,8 @@ from gefen.muon.kernels import STANDARD_TRIPLE, adjust_lr_ratio, local_slice_of_
 from gefen.muon.modes import (
     APPROX,
     DISTRIBUTED,
+    EXACT,
     PLAIN,
-    DistributedSlot,
     broadcast_update,
     distributed_slots,
     full_gradient,
@@ -50,11 +48,11 @@ from gefen.muon.modes import (
 from gefen.muon.options import (
     MUON_OPTIMIZER_WIDE,
     check_mode_mix,
-    group_schedule,
     normalise_schedule_steps,
     validate_muon_options,
 )
-from gefen.muon.preflight import check_presence_and_order
+from gefen.muon.plan import OwnerBucket, PlannedMatrix, group_hyper
+from gefen.muon.preflight import check_presence_and_order, uncovered_presence
 from gefen.muon.update import (
     MuonHyper,
     apply_update_,
@@ -67,45 +65,28 @@ _MUON_CODEC_KEYS = CodecKeys(dense="momentum_buffer")
 PHASE_STATE_DICT_PREFLIGHT = "state dict preflight"
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """One matrix of the plan: what its streamed update needs besides tensors it reads live."""
-
-    index: int
-    group: Mapping[str, Any]
-    param: Tensor
-    mode: str
-    period: int
-    hyper: MuonHyper
-    ratio: float
-    seed: tuple[int, int] | None
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    """Up to ``world`` active parameters of one distributed process group, in stable order."""
-
-    slots: tuple[tuple[DistributedSlot, _Planned], ...]
-
-
-def _hyper(group: Mapping[str, Any]) -> MuonHyper:
-    return MuonHyper(
-        lr=lr_value(group["lr"]),
-        weight_decay=float(group["weight_decay"]),
-        momentum=float(group["momentum"]),
-        nesterov=bool(group["nesterov"]),
-        schedule=group_schedule(group),
-        eps=float(group["eps"]),
-        normuon=bool(group["normuon"]),
-        normuon_beta2=float(group["normuon_beta2"]),
-        normuon_eps=float(group["normuon_eps"]),
-    )
-
-
 class GefenMuon(OptimizerShell):
-    """Muon (momentum → Newton–Schulz → shape-scaled step) with ~1 byte of momentum per element.
+    r"""Muon (momentum → Newton–Schulz → shape-scaled step) with ~1 byte of momentum per element.
 
-    The first nine arguments match ``torch.optim.Muon``; see the package README for the rest.
+    For each 2-D parameter with a gradient :math:`g_t` (docs/muon.md §4):
+
+    .. math::
+        \begin{aligned}
+        &\hat m_t = \mathrm{dec}\big(\mathrm{enc}\big(\mathrm{lerp}(\hat m_{t-1}, g_t,
+            1-\mu)\big)\big) \quad (\texttt{momentum\_codec="codebook8"}; \text{ a plain
+            buffer with } \texttt{"none"}) \\
+        &N = \mathrm{lerp}(g_t, \hat m_t, \mu) \text{ if nesterov else } \hat m_t \\
+        &O = \mathrm{NS}(N):\ X \leftarrow N/\lVert N\rVert_F \text{ (bf16)}, \\
+        &\quad X \leftarrow aX + b(XX^\top)X + c(XX^\top)^2X \text{ per } (a, b, c) \\
+        &p_t = p_{t-1}(1-\gamma\lambda) - \gamma\, r(\text{shape})\, O
+        \end{aligned}
+
+    with :math:`r = \sqrt{\max(1, \text{rows}/\text{cols})}` (``adjust_lr_fn=None``) or
+    :math:`0.2\sqrt{\max(\text{rows}, \text{cols})}` (``"match_rms_adamw"``). NorMuon
+    optionally rescales the rows of :math:`O` by a second-moment EMA of their norms. With
+    ``momentum_codec="none"`` the step is bit-identical to ``torch.optim.Muon``. The first nine
+    arguments match ``torch.optim.Muon``; the package README lists the rest (Newton–Schulz
+    schedules, sharded modes under FSDP2, NorMuon, stochastic rounding).
     """
 
     OWNER_NAME: ClassVar[str] = "GefenMuon"
@@ -163,8 +144,7 @@ class GefenMuon(OptimizerShell):
         }
         validate_muon_options(defaults)
         normalise_schedule_steps(defaults)
-        # Selected codebook8 momentum kernels by (device type, effective fused option): a cache
-        # of compiled code, not state (never pickled; rebuilt by _restore_derived).
+        # Momentum kernels by (device type, fused option): compiled code, never pickled.
         self._momentum_kernels: dict[tuple[str, bool | None], MomentumAdvancer | None] = {}
         super().__init__(params, defaults)
 
@@ -188,6 +168,9 @@ class GefenMuon(OptimizerShell):
     def _check_local_inputs(self) -> None:
         check_mode_mix(self.param_groups)
         super()._check_local_inputs()
+
+    def gradient_presence(self) -> list[bool]:
+        return uncovered_presence(self.param_groups)  # the rest is checked by name, below
 
     # -- the state codec --------------------------------------------------------------------
 
@@ -300,19 +283,21 @@ class GefenMuon(OptimizerShell):
     def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
         """Phase 4: which matrices update, in which order, with what scalars; reads only.
 
-        The plan is a list of units, committed in order: one ``_Planned`` per plain, approx or
-        exact matrix (parameter order), then one ``_Bucket`` per ``world`` active parameters
+        The plan is a list of units, committed in order: one ``PlannedMatrix`` per plain, approx or
+        exact matrix (parameter order), then one ``OwnerBucket`` per ``world`` active parameters
         of each distributed process group. It holds no tensor proportional to the model (only
         references to the parameters themselves); tensor lrs are read once per group.
         """
         hypers: dict[int, MuonHyper] = {}
         stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
 
-        def planned(index: int, group: Mapping[str, Any], param: Tensor, mode: str) -> _Planned:
+        def planned(
+            index: int, group: Mapping[str, Any], param: Tensor, mode: str
+        ) -> PlannedMatrix:
             hyper = hypers.get(id(group))
             if hyper is None:
-                hyper = hypers[id(group)] = _hyper(group)
-            return _Planned(
+                hyper = hypers[id(group)] = group_hyper(group)
+            return PlannedMatrix(
                 index=index,
                 group=group,
                 param=param,
@@ -326,7 +311,7 @@ class GefenMuon(OptimizerShell):
         indexed = self.indexed_params()
         slots = distributed_slots(indexed)
         distributed = {slot.index for per_group in slots for slot in per_group}
-        plan: list[_Planned | _Bucket] = []
+        plan: list[PlannedMatrix | OwnerBucket] = []
         for index, group, param in indexed:
             if param.grad is None or index in distributed:
                 continue
@@ -340,7 +325,7 @@ class GefenMuon(OptimizerShell):
             for start in range(0, len(active), world):
                 bucket = active[start : start + world]
                 plan.append(
-                    _Bucket(
+                    OwnerBucket(
                         tuple(
                             (slot, planned(slot.index, slot.group, slot.param, DISTRIBUTED))
                             for slot in bucket
@@ -351,7 +336,7 @@ class GefenMuon(OptimizerShell):
 
     # -- phase 5: streamed commit -----------------------------------------------------------
 
-    def _live_entry(self, planned: _Planned, device: torch.device) -> dict[str, Any]:
+    def _live_entry(self, planned: PlannedMatrix, device: torch.device) -> dict[str, Any]:
         """The parameter's own entry: a pristine one is allocated just before its first update;
         an initialized one keeps its tensors, moved to ``device`` only where needed."""
         entry: dict[str, Any] = self.state[planned.param]
@@ -369,7 +354,7 @@ class GefenMuon(OptimizerShell):
         return entry
 
     def _orthogonal_(
-        self, planned: _Planned, matrix: Tensor, codebooks: dict[torch.device, Tensor]
+        self, planned: PlannedMatrix, matrix: Tensor, codebooks: dict[torch.device, Tensor]
     ) -> Tensor:
         """Steps 1–3 for one matrix: its entry updated in place; returns O."""
         device = matrix.device
@@ -391,7 +376,7 @@ class GefenMuon(OptimizerShell):
             advance=advance,
         )
 
-    def _commit_local(self, planned: _Planned, codebooks: dict[torch.device, Tensor]) -> None:
+    def _commit_local(self, planned: PlannedMatrix, codebooks: dict[torch.device, Tensor]) -> None:
         """The plain, approx and exact paths: every rank computes the whole update it needs."""
         param, mode = planned.param, planned.mode
         grad = param.grad
@@ -408,7 +393,7 @@ class GefenMuon(OptimizerShell):
             update = local_slice_of_full(update, param)
         apply_update_(local_tensor(param), update, hyper=planned.hyper, ratio=planned.ratio)
 
-    def _commit_bucket(self, bucket: _Bucket, codebooks: dict[torch.device, Tensor]) -> None:
+    def _commit_bucket(self, bucket: OwnerBucket, codebooks: dict[torch.device, Tensor]) -> None:
         """One owner bucket: gather (the owner keeps its matrix), owners compute, broadcast,
         every member writes its shard."""
         kept: dict[int, Tensor] = {}
@@ -437,7 +422,7 @@ class GefenMuon(OptimizerShell):
         written into their own storage before the next is touched."""
         codebooks: dict[torch.device, Tensor] = {}
         for unit in plan:
-            if isinstance(unit, _Bucket):
+            if isinstance(unit, OwnerBucket):
                 self._commit_bucket(unit, codebooks)
             else:
                 self._commit_local(unit, codebooks)
@@ -470,6 +455,11 @@ class GefenMuon(OptimizerShell):
         return muon_contract(self)
 
     # -- checkpoints (§8) -------------------------------------------------------------------
+
+    def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None:
+        """exact/distributed matrices hold the full logical state on every rank (a replica)."""
+        modes = [parameter_mode(g, p) for g in groups for p in g["params"]]
+        return [i for i, mode in enumerate(modes) if mode in (EXACT, DISTRIBUTED)] or None
 
     def rank_local_checkpoint(self) -> bool:
         approx = any(group["sharded_mode"] == APPROX for group in self.param_groups)

@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gefen.contracts import fingerprint
 from gefen.dist import GroupAgreementError, choose_collective_device, collective, mesh_key
+from gefen.muon.modes import DISTRIBUTED, EXACT, parameter_mode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
     from gefen.dist.scope import MeshKey
 
-__all__ = ["check_presence_and_order"]
+__all__ = ["check_presence_and_order", "uncovered_presence"]
 
 _COVERED_MODES = frozenset({"exact", "distributed"})
 _FIELDS_PER_ITEM = 6
@@ -289,3 +290,15 @@ def check_presence_and_order(
     error = _first_error(findings, owner)
     if error is not None:
         raise error
+
+
+def uncovered_presence(param_groups: Sequence[Mapping[str, Any]]) -> list[bool]:
+    """Gradient presence of every parameter this check does not cover (plain tensors and
+    approx DTensors), in group order: the step vote agrees on it (docs/dist.md §5), so a
+    gradient missing on one rank fails every rank there too, in the vote's own all-reduce."""
+    flags: list[bool] = []
+    for group in param_groups:
+        for param in group["params"]:
+            if parameter_mode(group, param) not in (EXACT, DISTRIBUTED):
+                flags.append(param.grad is not None)
+    return flags

@@ -1,0 +1,51 @@
+"""What a load publishes that must be identical on every rank, as the load vote's two words.
+
+GefenMuon's ``exact`` and ``distributed`` state (the full logical momentum of every sharded
+matrix, the codebook learned from full gradients, the global step) is a replica: every rank of
+the mesh loads the same consolidated file. A stale file on one rank would make the replicas
+diverge silently, so the load vote compares a digest of that state in its own all-reduce
+(``GuardedOperation.local_agreeing``) and one stale file fails every rank with nothing changed.
+Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["NO_REPLICA", "replica_words"]
+
+NO_REPLICA = (0, 0)
+"""The words of a load with no replicated state (every rank agrees on them)."""
+
+
+def _feed(digest: Any, value: object) -> None:
+    if isinstance(value, Tensor):
+        local = value.detach().to("cpu").contiguous()
+        digest.update(f"tensor:{local.dtype}:{tuple(local.shape)}:".encode())
+        digest.update(local.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, Mapping):
+        digest.update(b"{")
+        for key in sorted(value, key=str):
+            digest.update(f"{key!s}=".encode())
+            _feed(digest, value[key])
+        digest.update(b"}")
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def replica_words(
+    global_step: int, codebook: Tensor | None, entries: Sequence[Mapping[str, Any] | None]
+) -> tuple[int, int]:
+    """A 56-bit digest of the replicated state (global step, codebook, the entries in order)
+    and the number of entries: equal words on every rank = the same replica."""
+    digest = hashlib.blake2b(digest_size=7)
+    _feed(digest, global_step)
+    _feed(digest, codebook)
+    for entry in entries:
+        _feed(digest, entry)
+    return int.from_bytes(digest.digest(), "big"), len(entries)

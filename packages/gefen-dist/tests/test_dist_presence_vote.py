@@ -1,0 +1,43 @@
+"""The vote's agreement words (``vote_over``, ``presence_words``) in one process; the world-2
+behaviour is tested with each optimizer (a gradient missing on one rank fails every rank)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gefen.dist import AGREEMENT_WIDTH, GuardedOperation, presence_words, vote_over
+
+
+def test_presence_words_are_two_int64_words_that_follow_the_pattern_and_its_order() -> None:
+    words = presence_words([True, False, True])
+    assert len(words) == AGREEMENT_WIDTH == 2
+    digest, count = words
+    assert count == 2
+    assert 0 <= digest < 2**56  # negation and MAX stay inside int64
+    assert presence_words([True, False, True]) == words  # deterministic (no salted hash)
+    assert presence_words([False, True, True])[0] != digest  # order matters
+    assert presence_words([True, False, True, False]) != words  # so does the length
+    # The Mersenne-modulus trap of hashing the pattern as an integer: patterns that differ at
+    # positions 61 apart must still differ.
+    first = [False] * 70
+    second = [False] * 70
+    first[0], second[61] = True, True
+    assert presence_words(first) != presence_words(second)
+
+
+def test_an_empty_scope_votes_nothing() -> None:
+    assert vote_over((), True, (5, 7)) == (True, True)
+    assert vote_over((), False) == (False, True)
+
+
+def test_local_agreeing_in_one_process_returns_the_result_and_raises_unchanged() -> None:
+    op = GuardedOperation("Owner", scope=())
+    assert op.local_agreeing("phase", "gradient presence", lambda: ("done", (1, 2))) == "done"
+    failure = KeyError("bad")
+
+    def failing() -> tuple[str, tuple[int, int]]:
+        raise failure
+
+    with pytest.raises(KeyError) as info:
+        op.local_agreeing("phase", "gradient presence", failing)
+    assert info.value is failure  # single process: the very same exception

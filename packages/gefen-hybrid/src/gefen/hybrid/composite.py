@@ -1,0 +1,42 @@
+"""The public interface of ``GefenMuonHybrid`` that its helper modules program against.
+
+The checkpoint, contract, post-sharding and state-view modules take the hybrid and use only
+these members, and import this protocol rather than the optimizer class, so no module imports
+``gefen.hybrid.optimizer`` back (not even for typing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from gefen.dist import Channel
+from gefen.hybrid.adamw_participant import ChildParticipant, PreparedChildLoad
+from gefen.muon import GefenMuon
+
+__all__ = ["HybridInterface"]
+
+
+class HybridInterface(Protocol):
+    """What ``GefenMuonHybrid`` offers its checkpoint, contract and post-sharding modules."""
+
+    OWNER_NAME: ClassVar[str]
+    muon: GefenMuon | None
+    backup: torch.optim.Optimizer | None
+    backup_optimizer: str
+
+    @property
+    def children(self) -> tuple[torch.optim.Optimizer, ...]: ...
+    @property
+    def participants(self) -> tuple[tuple[str, ChildParticipant], ...]: ...
+    @property
+    def finalized(self) -> bool: ...
+    def owner_of(self, key: object) -> torch.optim.Optimizer | None: ...
+    def rebuild_registry(self) -> None: ...
+    def check_layout(self) -> None: ...
+    def step_failure_scope(self) -> tuple[Channel, ...]: ...
+    def publish_load(
+        self, muon: PreparedChildLoad | None, backup: PreparedChildLoad | None
+    ) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...

@@ -1,0 +1,57 @@
+"""GefenMuon's step plan: what phase 4 hands to the streamed commit (docs/muon.md §6).
+
+One ``PlannedMatrix`` per parameter with a gradient (its mode, period, scalars, LR ratio and
+stochastic-rounding seed; never a tensor it does not read live), grouped into ``OwnerBucket``s
+for the distributed mode. ``group_hyper`` reads a group's scalars once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from gefen.core.extension import lr_value
+from gefen.muon.modes import DistributedSlot
+from gefen.muon.options import group_schedule
+from gefen.muon.update import MuonHyper
+
+__all__ = ["OwnerBucket", "PlannedMatrix", "group_hyper"]
+
+
+@dataclass(frozen=True)
+class PlannedMatrix:
+    """One matrix of the plan: what its streamed update needs besides tensors it reads live."""
+
+    index: int
+    group: Mapping[str, Any]
+    param: Tensor
+    mode: str
+    period: int
+    hyper: MuonHyper
+    ratio: float
+    seed: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class OwnerBucket:
+    """Up to ``world`` active parameters of one distributed process group, in stable order."""
+
+    slots: tuple[tuple[DistributedSlot, PlannedMatrix], ...]
+
+
+def group_hyper(group: Mapping[str, Any]) -> MuonHyper:
+    """A group's update scalars, read once per group per step (a tensor lr included)."""
+    return MuonHyper(
+        lr=lr_value(group["lr"]),
+        weight_decay=float(group["weight_decay"]),
+        momentum=float(group["momentum"]),
+        nesterov=bool(group["nesterov"]),
+        schedule=group_schedule(group),
+        eps=float(group["eps"]),
+        normuon=bool(group["normuon"]),
+        normuon_beta2=float(group["normuon_beta2"]),
+        normuon_eps=float(group["normuon_eps"]),
+    )
