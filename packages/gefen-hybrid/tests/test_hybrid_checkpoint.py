@@ -529,6 +529,19 @@ def test_an_adamw_entry_with_a_bad_step_is_rejected(step: object) -> None:
     assert "'step'" in str(error)
 
 
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_an_adamw_entry_with_a_meta_or_sparse_step_is_rejected_by_name(kind: str) -> None:
+    # It used to raise torch's RuntimeError (".item() on meta", "reshape ... sparse").
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    entry_id = broken["backup"]["param_groups"][0]["params"][0]
+    step = torch.tensor([3.0])
+    bad = torch.empty_like(step, device="meta") if kind == "meta" else step.to_sparse()
+    broken["backup"]["state"][entry_id]["step"] = bad
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert "'step' must be a dense tensor holding data" in str(error)
+
+
 def test_an_adamw_entry_with_a_wrong_shape_is_rejected() -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
     broken = copy.deepcopy(saved)
@@ -745,3 +758,33 @@ def test_an_adamw_group_with_a_bad_option_is_rejected(
     broken["backup"]["param_groups"][0][key] = value
     error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: group 0: ", exact=False)
     assert fragment in str(error)
+
+
+def test_re_keyed_adamw_ids_are_rejected() -> None:
+    # torch's state_dict numbers parameters 0..n-1 in group order; a permuted numbering maps
+    # moments onto other parameters (of the same shape: no shape check could notice).
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    groups = broken["backup"]["param_groups"]
+    ids = [ident for group in groups for ident in group["params"]]
+    assert len(ids) >= 2
+    groups[0]["params"] = [ids[1], ids[0], *groups[0]["params"][2:]]
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert "parameter ids must be 0.." in str(error)
+
+
+def test_an_adamw_entry_for_an_unlisted_id_is_rejected() -> None:
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    state = broken["backup"]["state"]
+    state[len(state) + 7] = copy.deepcopy(next(iter(state.values())))
+    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    assert "entries for parameter ids no group lists" in str(error)
+
+
+def test_a_dropped_adamw_entry_warns_that_its_moments_restart() -> None:
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = copy.deepcopy(saved)
+    del broken["backup"]["state"][0]
+    with pytest.warns(UserWarning, match=r"no entry for parameter ids \[0\].*restart from zero"):
+        hybrid.load_state_dict(broken)

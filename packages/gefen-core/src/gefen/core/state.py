@@ -41,12 +41,18 @@ CODEBOOK_SIZE = 256
 def validate_codebook(cb: object) -> None:
     """Raise ValueError unless ``cb`` is a valid learned or loaded codebook (docs/core.md §5.4).
 
-    The rules, checked in this order: a torch.Tensor with the strided layout; float32; 1-D; 256
+    The rules, checked in this order: a torch.Tensor with the strided layout, holding data (not
+    on the meta device); float32; 1-D; 256
     values; all finite; strictly increasing; ``cb[0] == -1.0``; ``cb[255] == +1.0``. The message
     names the rule that failed. This is the one codebook check for Gefen and GefenMuon alike.
     """
     if not isinstance(cb, Tensor) or cb.layout != torch.strided:
-        raise ValueError(f"codebook must be a strided torch.Tensor, got {type(cb).__name__}")
+        layout = f" ({cb.layout})" if isinstance(cb, Tensor) else ""
+        raise ValueError(
+            f"codebook must be a strided torch.Tensor, got {type(cb).__name__}{layout}"
+        )
+    if cb.is_meta:
+        raise ValueError("codebook must hold data (it is on the meta device)")
     if cb.dtype != torch.float32:
         raise ValueError(f"codebook must be float32, got {cb.dtype}")
     if cb.dim() != 1:

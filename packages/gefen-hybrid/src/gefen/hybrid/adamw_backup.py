@@ -8,6 +8,7 @@ the live AdamW is only touched by the final, non-throwing swap.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from gefen.dist.torch_internals import (
     fresh_hook_registries,
     run_load_post_hooks,
 )
-from gefen.hybrid.adamw_preflight import check_adamw_options
+from gefen.hybrid.adamw_preflight import check_adamw_options, check_capturable
 
 __all__ = ["PreparedAdamWLoad", "prepare_adamw_load"]
 
@@ -53,7 +54,10 @@ class PreparedAdamWLoad:
 
 def _check_step(where: str, step: object) -> None:
     if isinstance(step, Tensor):
-        if step.numel() != 1 or step.is_complex():
+        if step.layout != torch.strided or step.is_meta:
+            kind = "meta" if step.is_meta else str(step.layout)
+            raise _reject(f"{where}: 'step' must be a dense tensor holding data, got {kind}")
+        if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
             raise _reject(f"{where}: 'step' must be a 1-element real tensor or a number")
         value = float(step.detach().reshape(()).item())
     elif isinstance(step, (int, float)) and not isinstance(step, bool):
@@ -106,14 +110,46 @@ def _validate(backup: torch.optim.Optimizer, sd: object) -> None:
         ids = saved.get("params") if isinstance(saved, Mapping) else None
         if not isinstance(ids, list) or len(ids) != len(group["params"]):
             raise _reject(f"group {index} must list {len(group['params'])} parameters")
+    _check_identifiers(backup, state, [ident for saved in groups for ident in saved["params"]])
+    for index, (saved, group) in enumerate(zip(groups, live, strict=True)):
+        ids = saved["params"]
         try:
             check_adamw_options({**group, **saved}, f"group {index}")
+            check_capturable({**group, **saved}, group["params"], f"group {index}")
         except ValueError as error:
             raise _reject(str(error)) from None
         amsgrad = bool(saved.get("amsgrad", group.get("amsgrad", False)))
         for ident, param in zip(ids, group["params"], strict=True):
             if ident in state:
                 _check_entry(f"group {index} entry {ident!r}", state[ident], param, amsgrad)
+
+
+def _check_identifiers(
+    backup: torch.optim.Optimizer, state: Mapping[Any, Any], ids: list[Any]
+) -> None:
+    """Parameter ids as torch's ``state_dict`` writes them (0..n-1 in group order), entries only
+    for those ids; a live entry the checkpoint lacks restarts from zero, with a warning."""
+    if any(type(ident) is not int for ident in ids) or ids != list(range(len(ids))):
+        raise _reject(
+            f"parameter ids must be 0..{len(ids) - 1} in group order, as torch's state_dict "
+            f"writes them (got {ids[:8]}{'…' if len(ids) > 8 else ''}): a re-keyed checkpoint"
+        )
+    unknown = sorted(
+        (key for key in state if type(key) is not int or key not in range(len(ids))), key=repr
+    )
+    if unknown:
+        raise _reject(f"state holds entries for parameter ids no group lists: {unknown[:8]}")
+    live = [param for group in backup.param_groups for param in group["params"]]
+    dropped = [
+        ident for ident, param in enumerate(live) if backup.state.get(param) and ident not in state
+    ]
+    if dropped:
+        warnings.warn(
+            f"GefenMuonHybrid checkpoint: AdamW backup: no entry for parameter ids {dropped[:8]}, "
+            "which have state now: their moments restart from zero",
+            UserWarning,
+            stacklevel=6,
+        )
 
 
 def _shadow(backup: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -126,9 +162,31 @@ def _shadow(backup: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return shadow
 
 
+def _fill_missing_options(backup: torch.optim.Optimizer, sd: Any) -> None:
+    """A saved group without an option gets the constructor's value, with a warning (torch
+    would load the group without it and fail at the next step)."""
+    groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+    if not isinstance(groups, list) or len(groups) != len(backup.param_groups):
+        return  # _validate rejects the structure
+    for index, saved in enumerate(groups):
+        if not isinstance(saved, dict):
+            continue
+        missing = [name for name in backup.defaults if name not in saved]
+        if missing:
+            values = ", ".join(f"{name}={backup.defaults[name]!r}" for name in missing)
+            warnings.warn(
+                f"GefenMuonHybrid checkpoint: AdamW backup group {index} was saved without "
+                f"{', '.join(map(repr, missing))}; the constructor's values are used ({values})",
+                UserWarning,
+                stacklevel=6,
+            )
+            saved.update({name: backup.defaults[name] for name in missing})
+
+
 def prepare_adamw_load(backup: torch.optim.Optimizer, sd: Any) -> PreparedAdamWLoad:
     """Copy, run the backup's load pre-hooks on the copy, validate, load into a shadow."""
     copied = copy_with_load_pre_hooks(backup, copy_containers(sd))
+    _fill_missing_options(backup, copied)
     _validate(backup, copied)
     shadow = _shadow(backup)
     torch.optim.Optimizer.load_state_dict(shadow, copied)

@@ -21,7 +21,7 @@ import torch
 from gefen.core.extension import check_finite_gradients, validate_gradient_structure
 from gefen.dist import GuardedOperation, ProcessGroupBinding
 from gefen.hybrid.adamw_backup import PreparedAdamWLoad, prepare_adamw_load
-from gefen.hybrid.adamw_preflight import check_adamw_backup
+from gefen.hybrid.adamw_preflight import check_adamw_amp_precision, check_adamw_backup
 
 __all__ = ["AdamWParticipant", "ChildParticipant", "PreparedChildLoad"]
 
@@ -65,6 +65,8 @@ class AdamWParticipant:
         """Rank-local, no collective, no mutation (the voted preflight's AdamW half)."""
         groups = self.backup.param_groups
         check_adamw_backup(self.backup, self.owner)
+        if amp_present:
+            check_adamw_amp_precision(self.backup, self.owner)
         validate_gradient_structure(groups, owner=self.owner, require_2d=False)
         if self.check_finite and not amp_present:
             check_finite_gradients(groups)

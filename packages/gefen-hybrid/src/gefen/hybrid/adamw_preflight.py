@@ -17,9 +17,19 @@ from torch import Tensor
 
 from gefen.core.extension import local_tensor
 
-__all__ = ["check_adamw_backup", "check_adamw_options"]
+__all__ = [
+    "check_adamw_amp_precision",
+    "check_adamw_backup",
+    "check_adamw_options",
+    "check_capturable",
+    "fp16_safe",
+]
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# torch's AdamW flags: each must be a plain bool (a tensor there fails inside the step's branches).
+_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+_OPTIONAL_FLAGS = ("foreach", "fused")
+_CAPTURABLE_DEVICES = ("cuda", "xpu", "hpu", "privateuseone", "xla")  # torch's own list
 
 
 def _real(value: object, where: str, name: str) -> float | None:
@@ -55,6 +65,11 @@ def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
     decay = _real(group.get("weight_decay"), where, "weight_decay")
     if decay is not None and not (math.isfinite(decay) and decay >= 0.0):
         raise ValueError(f"{where}: weight_decay must be finite and >= 0, got {decay}")
+    for name in _FLAGS:
+        value = group.get(name)
+        if not (type(value) is bool or (value is None and name in _OPTIONAL_FLAGS)):
+            allowed = "a bool or None" if name in _OPTIONAL_FLAGS else "a bool"
+            raise ValueError(f"{where}: {name} must be {allowed}, got {value!r}")
 
 
 def _check_state(entry: Mapping[str, Any], param: Tensor, where: str) -> None:
@@ -71,12 +86,52 @@ def _check_state(entry: Mapping[str, Any], param: Tensor, where: str) -> None:
             )
 
 
+_FP16_TINY = 2.0**-24  # the smallest float16 subnormal: a smaller eps rounds to 0
+
+
+def fp16_safe(group: Mapping[str, Any]) -> bool:
+    """Whether an AdamW group keeps float16 parameters finite under GradScaler: the fused
+    implementation does; the for-each one computes in float16, where an ``eps`` below the
+    smallest subnormal (the default 1e-8) rounds to 0, so a zero gradient element divides 0 by
+    0 and the parameter turns NaN."""
+    eps = group.get("eps", 1e-8)
+    return bool(group.get("fused")) or (isinstance(eps, (int, float)) and eps >= _FP16_TINY)
+
+
+def check_adamw_amp_precision(backup: torch.optim.Optimizer, owner: str) -> None:
+    """Under GradScaler: refuse a float16 parameter in a non-fused AdamW group, up front."""
+    for group_index, group in enumerate(backup.param_groups):
+        if fp16_safe(group):
+            continue
+        for position, param in enumerate(group["params"]):
+            if param.dtype == torch.float16:
+                raise RuntimeError(
+                    f"{owner}: AdamW backup group {group_index} parameter {position} is float16 "
+                    f"under GradScaler with eps={group.get('eps')!r}, which rounds to 0 in "
+                    "float16 and turns zero-gradient elements into NaN in torch's non-fused "
+                    "AdamW; pass backup_adamw_kwargs={'fused': True}, an eps >= 2**-24, or "
+                    "keep the backup in float32/bfloat16"
+                )
+
+
+def check_capturable(group: Mapping[str, Any], params: Any, where: str) -> None:
+    """``capturable=True`` needs every parameter on a device CUDA graphs can capture."""
+    if group.get("capturable") is True:
+        for param in params:
+            if local_tensor(param).device.type not in _CAPTURABLE_DEVICES:
+                raise ValueError(
+                    f"{where}: capturable=True needs parameters on one of "
+                    f"{', '.join(_CAPTURABLE_DEVICES)}, got {local_tensor(param).device}"
+                )
+
+
 def check_adamw_backup(backup: torch.optim.Optimizer, owner: str) -> None:
     """Raise on the first option or state entry of ``backup`` its step would fail on or turn
     into NaN; reads only."""
     for group_index, group in enumerate(backup.param_groups):
         where = f"{owner}: AdamW backup group {group_index}"
         check_adamw_options(group, where)
+        check_capturable(group, group["params"], where)
         for position, param in enumerate(group["params"]):
             entry = backup.state.get(param)
             if entry:

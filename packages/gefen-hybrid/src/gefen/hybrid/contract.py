@@ -24,6 +24,7 @@ from gefen.contracts import (
     StateScope,
     TrainingSupport,
 )
+from gefen.hybrid.adamw_preflight import fp16_safe
 
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
@@ -100,6 +101,8 @@ def hybrid_contract(hybrid: HybridInterface) -> OptimizerContract:
         training += [entry for entry in entries if entry not in training]
         if child.contract is not None:
             precisions = precisions & child.contract.capabilities.precisions
+        elif hybrid.backup is not None and not all(map(fp16_safe, hybrid.backup.param_groups)):
+            precisions = precisions - {Precision.FLOAT16}  # refused under GradScaler, above
         same_topology = same_topology & _native_layouts(child)
     collective = len(hybrid.step_failure_scope()) > 0
     checkpoint = CheckpointSupport(
