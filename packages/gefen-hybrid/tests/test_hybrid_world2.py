@@ -483,6 +483,35 @@ def scenario_stale_muon_half(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+def scenario_adamw_file(rank: int, world_size: int, case: str) -> dict[str, Any]:
+    """The sharded AdamW half is rank-local: rank 1 loads a stale file (``"stale"``), or the
+    ranks swap their files (``"swapped"``)."""
+    import torch.distributed as dist
+
+    model = _model("full")
+    hybrid = _hybrid(model, backup_optimizer="adamw")
+    _backward(model, rank, seed=0)
+    hybrid.step()
+    stale = copy.deepcopy(hybrid.state_dict())
+    _backward(model, rank, seed=1)
+    hybrid.step()
+    fresh = copy.deepcopy(hybrid.state_dict())
+    # Only the AdamW half is stale: a stale Muon half is a replica the load vote catches first.
+    chosen = {**fresh, "backup": stale["backup"]} if rank == 1 else fresh
+    if case == "swapped":
+        files: list[Any] = [None, None]
+        dist.all_gather_object(files, fresh)
+        chosen = files[1 - rank]
+    result = _rejected_step(
+        hybrid,
+        model,
+        lambda: hybrid.load_state_dict(chosen),
+        recover=lambda: hybrid.load_state_dict(fresh),
+    )
+    result["header"] = "rank_local" in fresh["backup"]
+    return result
+
+
 def scenario_load_rejection(rank: int, world_size: int, case: str) -> dict[str, Any]:
     from gefen.dist import DistributedStepError
 
@@ -614,6 +643,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("load_child", scenario_load_rejection, ("child",)),
     ("load_adamw", scenario_load_rejection, ("adamw",)),
     ("stale_muon_half", scenario_stale_muon_half, ()),
+    ("adamw_stale", scenario_adamw_file, ("stale",)),
+    ("adamw_swapped", scenario_adamw_file, ("swapped",)),
     ("round_trip_gefen", scenario_round_trip, ("gefen",)),
     ("round_trip_adamw", scenario_round_trip, ("adamw",)),
 ]
@@ -767,6 +798,22 @@ class TestGlooWorld2:
             "process-group members (every member must present the same; nothing was changed)"
         )
         _agreement_error(results, message, "replicated state")
+        _unchanged_and_trains(results)
+
+    def test_a_stale_adamw_file_on_one_rank_fails_every_rank(self, world: ScenarioWorld) -> None:
+        # It used to load on that rank alone: its AdamW moments were a step behind the others'.
+        results = world["adamw_stale"]
+        message = "GefenMuonHybrid rank-local checkpoint differs across process-group members: tag"
+        _agreement_error(results, message, "tag")
+        assert all(result["header"] for result in results)
+        _unchanged_and_trains(results)
+
+    def test_another_ranks_adamw_file_is_refused_on_every_rank(self, world: ScenarioWorld) -> None:
+        results = world["adamw_swapped"]
+        for result in results:
+            assert result["error"].startswith("DistributedStepError: GefenMuonHybrid load ")
+            assert "rank-local checkpoint topology differs" in (result["cause"] or result["error"])
+        assert any(result["local_failure"] for result in results)
         _unchanged_and_trains(results)
 
     def test_reversed_muon_order_on_one_rank(self, world: ScenarioWorld) -> None:

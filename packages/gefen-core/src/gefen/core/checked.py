@@ -30,13 +30,15 @@ __all__ = [
 def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
     """What identifies a group's option values: type and value, or a tensor's identity and
     version (an LR scheduler's ``fill_`` bumps it)."""
-    return tuple(
-        (name, type(value), id(value), tensor_version(value))
-        if isinstance(value, Tensor)
-        else (name, type(value), value)
-        for name, value in group.items()
-        if name not in ("params", "param_names")
-    )
+    token: list[tuple[Any, ...]] = []
+    for name, value in group.items():  # a loop, not a generator: this runs every step
+        if name == "params" or name == "param_names":
+            continue
+        if isinstance(value, Tensor):
+            token.append((name, type(value), id(value), tensor_version(value)))
+        else:
+            token.append((name, type(value), value))
+    return tuple(token)
 
 
 class _Held:

@@ -6,7 +6,7 @@ supplies the options, the per-parameter state codec and the update.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,10 +49,31 @@ class _PlannedUpdate:
     group: Mapping[str, Any]
     position: tuple[int, int]  # (group index, index in the group): the label, when needed
     period: int
-    scalars: StepScalars
     updater: Updater | None  # the kernel phase 1 selected (None: the eager reference)
     local: Tensor  # the parameter's local tensor
     entry: dict[str, Any] | None  # its entry when already live (no allocation, move, migration)
+    seed: tuple[int, int] | None  # stochastic rounding's (global step, flat index)
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """Phase 4's plan: the updates in order and each group's scalars (by group index)."""
+
+    updates: list[_PlannedUpdate]
+    scalars: dict[int, StepScalars]
+
+    def __iter__(self) -> Iterator[_PlannedUpdate]:
+        return iter(self.updates)
+
+
+def group_step_scalars(group: Mapping[str, Any]) -> StepScalars:
+    """A group's update scalars (a tensor ``lr`` is read here, one host sync)."""
+    return StepScalars(
+        lr=_lr_value(group["lr"]),
+        betas=(float(group["betas"][0]), float(group["betas"][1])),
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+    )
 
 
 class Gefen(OptimizerShell):
@@ -209,59 +230,51 @@ class Gefen(OptimizerShell):
     # -- phase 4: read; phase 5: streamed commit (§7.1) --------------------------------------
 
     def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
-        """Phase 4: which parameters update, with what scalars; reads only (tensor lrs once per
-        group). The plan holds no tensor proportional to the model. While the steady-state token
-        is the one the plan was built under and nothing is learned, the plan is reused: the same
-        parameters, entries, kernels and option values (gefen.core.steady)."""
+        """Phase 4: which parameters update, with what scalars; reads only (a tensor lr once
+        per group with an update). The plan holds no tensor proportional to the model.
+        While the steady-state token is the one the updates were planned under and nothing is
+        learned, they are reused (the same parameters, entries and kernels; gefen.core.steady);
+        the scalars follow the options every step (an LR schedule changes them)."""
         steady = self.__dict__.get("_steady")
-        cached = self.__dict__.get("_plan")
-        if (
-            cached is not None
-            and cached[0] is steady
-            and steady is not None
-            and not learning.periods
-        ):
-            return cached[1]
+        cached: tuple[Any, list[_PlannedUpdate]] = self.__dict__.get("_plan") or (None, [])
+        if steady is not None and cached[0] is steady and not learning.periods:
+            return _StepPlan(cached[1], self._step_scalars(cached[1]))
+        updates = self._planned_updates(learning)
+        # Seeds move with the global step: a stochastic plan is rebuilt every step.
+        stochastic = any(update.seed is not None for update in updates)
+        self._plan = None if stochastic or steady is None else (steady, updates)
+        return _StepPlan(updates, self._step_scalars(updates))
+
+    def _planned_updates(self, learning: StagedLearning) -> list[_PlannedUpdate]:
         plan: list[_PlannedUpdate] = []
         stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
         index = -1
         for group_index, group in enumerate(self.param_groups):
-            # Read lazily so a group with nothing to update never syncs on its tensor lr; the
-            # group's scalars are shared by its parameters unless each needs its own seed.
-            shared: StepScalars | None = None
             for position, param in enumerate(group["params"]):
                 index += 1
                 if param.grad is None or local_tensor(param).numel() == 0:
                     continue
-                if shared is None:
-                    shared = StepScalars(
-                        lr=_lr_value(group["lr"]),
-                        betas=(float(group["betas"][0]), float(group["betas"][1])),
-                        eps=float(group["eps"]),
-                        weight_decay=float(group["weight_decay"]),
-                    )
-                scalars = shared
-                if stochastic:
-                    scalars = StepScalars(
-                        shared.lr, shared.betas, shared.eps, shared.weight_decay,
-                        seed=(self._global_step, index),
-                    )  # fmt: skip
                 # A parameter object put into a group after construction has no entry yet: like
                 # torch, it starts fresh (its period is staged by learning, as for a new group).
                 live = self.state.get(param, {}).get("period", 0)
-                period = learning.periods.get(index, live)
-                updater = self._kernel(group, param)
-                position_of = (group_index, position)
-                entry = self._entry_if_live(group, param)
                 plan.append(
                     _PlannedUpdate(
-                        param, group, position_of, period, scalars, updater,
-                        local_tensor(param), entry,
+                        param, group, (group_index, position), learning.periods.get(index, live),
+                        self._kernel(group, param), local_tensor(param),
+                        self._entry_if_live(group, param),
+                        (self._global_step, index) if stochastic else None,
                     )
                 )  # fmt: skip
-        # Seeds move with the global step: a stochastic plan is rebuilt every step.
-        self._plan = None if stochastic or steady is None else (steady, plan)
         return plan
+
+    def _step_scalars(self, updates: list[_PlannedUpdate]) -> dict[int, StepScalars]:
+        """Each group's scalars, read once per step and only for a group with an update (a
+        group with nothing to update never syncs on its tensor lr)."""
+        scalars: dict[int, StepScalars] = {}
+        for update in updates:
+            if update.position[0] not in scalars:
+                scalars[update.position[0]] = group_step_scalars(update.group)
+        return scalars
 
     def _entry_if_live(self, group: Mapping[str, Any], param: Tensor) -> dict[str, Any] | None:
         """The parameter's entry when it needs no allocation, migration or move, else None."""
@@ -307,41 +320,39 @@ class Gefen(OptimizerShell):
 
     def _commit_step(self, plan: Any) -> None:
         """Phase 5: one parameter at a time, its state and value updated in their own storage."""
-        with_codebook = self._scalars_with_codebook(plan)
-        for planned in plan:
+        bound = self._scalars_with_codebook(plan)
+        for planned in plan.updates:
             entry = planned.entry if planned.entry is not None else self._live_entry(planned)
             grad = planned.param.grad
             if type(grad) is not Tensor:
                 grad = local_tensor(grad)
-            scalars = planned.scalars
-            if with_codebook is not None:
-                scalars = with_codebook[(id(scalars), planned.local.device)]
+            scalars = bound[(planned.position[0], planned.local.device)]
+            if planned.seed is not None:
+                scalars = StepScalars(
+                    scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
+                    scalars.codebook, planned.seed,
+                )  # fmt: skip
             (planned.updater or eager_update_)(planned.local, grad, entry, scalars)
 
-    def _scalars_with_codebook(
-        self, plan: list[_PlannedUpdate]
-    ) -> dict[tuple[int, torch.device], StepScalars] | None:
-        """Each plan scalars with the codebook on each device it is used on (None: codec
-        "none"); kept while the plan and the codebook are the same objects."""
-        codebook = self._codebook
-        if not self.uses_codebook:
-            return None
-        assert codebook is not None
-        cached = self.__dict__.get("_bound_scalars")
-        if cached is not None and cached[0] is plan and cached[1] is codebook:
-            return cached[2]  # type: ignore[no-any-return]
-        codebooks: dict[torch.device, Tensor] = {}
-        bound: dict[tuple[int, torch.device], StepScalars] = {}
-        for planned in plan:
-            scalars, device = planned.scalars, planned.local.device
-            if (id(scalars), device) not in bound:
-                if device not in codebooks:
-                    codebooks[device] = codebook.to(device)
-                bound[(id(scalars), device)] = StepScalars(
+    def _scalars_with_codebook(self, plan: _StepPlan) -> dict[tuple[int, Any], StepScalars]:
+        """Each group's scalars with the codebook on each device it is used on (codec "none":
+        the scalars as they are)."""
+        codebook = self._codebook if self.uses_codebook else None
+        codebooks: dict[Any, Tensor] = {}
+        bound: dict[tuple[int, Any], StepScalars] = {}
+        for planned in plan.updates:
+            key = (planned.position[0], planned.local.device)
+            if key in bound:
+                continue
+            scalars = plan.scalars[key[0]]
+            if codebook is not None:
+                if key[1] not in codebooks:
+                    codebooks[key[1]] = codebook.to(key[1])
+                scalars = StepScalars(
                     scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                    codebooks[device], scalars.seed,
+                    codebooks[key[1]],
                 )  # fmt: skip
-        self._bound_scalars = (plan, codebook, bound)
+            bound[key] = scalars
         return bound
 
     # -- contract (§10) ---------------------------------------------------------------------

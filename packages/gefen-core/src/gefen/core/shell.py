@@ -232,10 +232,10 @@ class OptimizerShell(HookedStepState, Optimizer):
         token = None
         if self._binding is None:
             token = step_token(self.param_groups, self.state, self.defaults)
+        self._validate_changed_groups()  # option values: every step (schedules change them)
         if not same_token(token, self.__dict__.get("_steady")):
             self._steady = None
             self._check_finalized_layout()
-            self._validate_changed_groups()
             validate_gradient_structure(
                 self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
             )

@@ -21,8 +21,6 @@ from typing import Any
 from torch import Tensor
 from torch.nn import Parameter
 
-from gefen.dist.torch_internals import tensor_version
-
 __all__ = ["SteadyToken", "plain_parameters", "same_token", "step_token"]
 
 _PLAIN = (Tensor, Parameter)
@@ -35,9 +33,9 @@ def step_token(
     param_groups: list[dict[str, Any]], state: Mapping[Any, Any], defaults: Mapping[str, Any]
 ) -> SteadyToken | None:
     """The steady-state token of this step's inputs, or None (a DTensor or another tensor
-    subclass is present: no fast path). Options compare by type and value, tensor options by
-    identity and version (a scheduler's ``fill_`` bumps it), entries by identity, their tensors
-    by identity, shape, dtype and device, their other values but the counters by value."""
+    subclass is present: no fast path). Options compare by name and type (numbers and tensors)
+    or value (flags, names); entries by identity, their tensors by identity, shape, dtype and
+    device, their other values but the counters by value."""
     entries: dict[int, Any] = {}
     for param, entry in state.items():  # by id: a Tensor key would hash in Python every time
         entries[id(param)] = entry
@@ -51,11 +49,16 @@ def step_token(
         for name, value in group.items():
             if name == "params" or name == "param_names":
                 continue
-            if isinstance(value, Tensor):
-                held.append(value)
-                key.append((name, id(value), tensor_version(value)))
+            # Scalar hyperparameters (an LR schedule writes lr every step) are not structure:
+            # their values are validated every step (``checked.revalidate_changed_groups``)
+            # and the plan's scalars follow them; the token keeps their names and types.
+            kind = type(value)
+            if kind is float or kind is int or isinstance(value, Tensor):
+                key.append((name, kind))
+            elif kind is tuple or kind is list:
+                key.append((name, kind, len(value)))
             else:
-                key.append((name, type(value), value))
+                key.append((name, kind, value))
         for param in params:
             grad = param.grad
             if type(param) not in _PLAIN or (grad is not None and type(grad) is not Tensor):

@@ -18,6 +18,13 @@ import torch
 from torch import Tensor
 
 from gefen.core.extension import copy_containers
+from gefen.dist import (
+    Channel,
+    check_rank_local_header,
+    check_rank_local_records,
+    collect_failure_scope,
+    rank_local_header,
+)
 from gefen.dist.torch_internals import (
     copy_with_load_pre_hooks,
     fresh_hook_registries,
@@ -25,7 +32,11 @@ from gefen.dist.torch_internals import (
 )
 from gefen.hybrid.adamw_preflight import check_adamw_options, check_capturable
 
-__all__ = ["PreparedAdamWLoad", "prepare_adamw_load"]
+__all__ = ["RANK_LOCAL_KEY", "PreparedAdamWLoad", "adamw_rank_local_header", "prepare_adamw_load"]
+
+RANK_LOCAL_KEY = "rank_local"
+"""The key of a sharded AdamW backup's rank-local header inside its state dict (torch ignores
+top-level keys it does not know)."""
 
 
 def _reject(reason: str) -> ValueError:
@@ -39,10 +50,15 @@ class PreparedAdamWLoad:
     backup: torch.optim.Optimizer
     state: Any
     param_groups: list[dict[str, Any]]
+    rank_local: tuple[dict[str, Any], int, tuple[Channel, ...]] | None = None
     replica_words: tuple[int, int] = (0, 0)  # rank-local: nothing the load vote compares
 
     def agree(self, operation: object) -> None:
-        """Nothing to agree on: an AdamW backup's state is rank-local."""
+        """A sharded backup's state is rank-local: every member must load its own rank's file
+        of the same step (docs/dist.md §10.3); symmetric, on gathered records."""
+        if self.rank_local is not None:
+            header, tag, scope = self.rank_local
+            check_rank_local_records(header, tag, scope=scope, owner_name="GefenMuonHybrid")
 
     def commit(self) -> None:
         self.backup.state = self.state
@@ -183,11 +199,42 @@ def _fill_missing_options(backup: torch.optim.Optimizer, sd: Any) -> None:
             saved.update({name: backup.defaults[name] for name in missing})
 
 
+def adamw_rank_local_header(backup: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """This rank's topology for a sharded (DTensor) backup's rank-local file, else None."""
+    scope = collect_failure_scope(backup.param_groups)
+    return rank_local_header(scope) if scope else None
+
+
+def _rank_local(
+    backup: torch.optim.Optimizer, sd: Mapping[str, Any]
+) -> tuple[dict[str, Any], int, tuple[Channel, ...]] | None:
+    """A sharded backup's file must be this rank's (its header), tagged by its latest step."""
+    scope = collect_failure_scope(backup.param_groups)
+    if not scope:
+        return None
+    header = sd.get(RANK_LOCAL_KEY)
+    if not isinstance(header, dict):
+        raise _reject(f"a sharded backup's checkpoint needs its {RANK_LOCAL_KEY!r} header")
+    try:
+        check_rank_local_header(header, scope)
+    except ValueError as error:
+        raise _reject(str(error)) from None
+    steps = [_step_value(entry.get("step")) for entry in sd["state"].values()]
+    return header, int(max(steps, default=0)), scope
+
+
+def _step_value(step: object) -> float:
+    if isinstance(step, Tensor):
+        return float(step.detach().reshape(()).item())
+    return float(step)  # type: ignore[arg-type]  # validated: a number
+
+
 def prepare_adamw_load(backup: torch.optim.Optimizer, sd: Any) -> PreparedAdamWLoad:
     """Copy, run the backup's load pre-hooks on the copy, validate, load into a shadow."""
     copied = copy_with_load_pre_hooks(backup, copy_containers(sd))
     _fill_missing_options(backup, copied)
     _validate(backup, copied)
+    rank_local = _rank_local(backup, copied)
     shadow = _shadow(backup)
     torch.optim.Optimizer.load_state_dict(shadow, copied)
-    return PreparedAdamWLoad(backup, shadow.state, shadow.param_groups)
+    return PreparedAdamWLoad(backup, shadow.state, shadow.param_groups, rank_local)

@@ -20,7 +20,12 @@ import torch
 
 from gefen.core.extension import check_finite_gradients, validate_gradient_structure
 from gefen.dist import GuardedOperation, ProcessGroupBinding
-from gefen.hybrid.adamw_backup import PreparedAdamWLoad, prepare_adamw_load
+from gefen.hybrid.adamw_backup import (
+    RANK_LOCAL_KEY,
+    PreparedAdamWLoad,
+    adamw_rank_local_header,
+    prepare_adamw_load,
+)
 from gefen.hybrid.adamw_preflight import check_adamw_amp_precision, check_adamw_backup
 
 __all__ = ["AdamWParticipant", "ChildParticipant", "PreparedChildLoad"]
@@ -48,6 +53,7 @@ class ChildParticipant(Protocol):
     def step_header_payload(self) -> list[int] | None: ...
     def check_step_agreement(self) -> None: ...
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
     def prepare_load_state_dict(self, state_dict: Any) -> PreparedChildLoad: ...
 
 
@@ -82,6 +88,14 @@ class AdamWParticipant:
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
         self.backup.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus this rank's header when the backup is sharded."""
+        saved = self.backup.state_dict()
+        header = adamw_rank_local_header(self.backup)
+        if header is not None:
+            saved[RANK_LOCAL_KEY] = header
+        return saved
 
     def prepare_load_state_dict(self, state_dict: Any) -> PreparedAdamWLoad:
         return prepare_adamw_load(self.backup, state_dict)

@@ -32,11 +32,11 @@ _SCHEMA = (
 
 def build_hybrid_state_dict(hybrid: HybridInterface) -> dict[str, Any]:
     """The nested dict of §8, from the children's public ``state_dict()`` (their hooks fire)."""
-    return {
-        "muon": None if hybrid.muon is None else hybrid.muon.state_dict(),
-        "backup": None if hybrid.backup is None else hybrid.backup.state_dict(),
-        "backup_optimizer": hybrid.backup_optimizer,
-    }
+    saved: dict[str, Any] = {"muon": None, "backup": None}
+    for role, participant in hybrid.participants:
+        saved[role] = participant.state_dict()
+    saved["backup_optimizer"] = hybrid.backup_optimizer
+    return saved
 
 
 @dataclass(eq=False)
