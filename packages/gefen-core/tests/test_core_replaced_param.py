@@ -64,3 +64,18 @@ def test_a_rejected_step_leaves_no_entry_for_the_replaced_parameter() -> None:
     with pytest.raises(RuntimeError, match="non-finite gradient"):
         optimizer.step()
     assert replacement not in optimizer.state
+
+
+def test_a_replaced_parameter_before_any_step_saves_a_loadable_placeholder() -> None:
+    # state_dict() used to emit {} for it (a defaultdict read), which no load accepted.
+    first, second = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(8))
+    optimizer = Gefen([first, second], lr=0.05)
+    replacement = torch.nn.Parameter(torch.randn(8))
+    optimizer.param_groups[0]["params"][1] = replacement
+    saved = optimizer.state_dict()
+    assert saved["state"][1] == {"period": 0}
+    assert replacement not in optimizer.state  # saving created no entry
+    optimizer.load_state_dict(saved)
+    first.grad, replacement.grad = torch.randn(4, 4), torch.randn(8)
+    optimizer.step()
+    assert optimizer.state[replacement]["step"] == 1

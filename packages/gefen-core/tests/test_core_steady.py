@@ -91,6 +91,11 @@ def test_a_tensor_lr_written_in_place_is_read_on_the_next_step() -> None:
     ("change", "error", "message"),
     [
         (lambda opt, ps: opt.param_groups[0].__setitem__("eps", -1.0), ValueError, "eps"),
+        (
+            lambda opt, ps: opt.param_groups[0].__setitem__("lr", float("nan")),
+            ValueError,
+            "learning rate",
+        ),
         (lambda opt, ps: opt.param_groups[0].__setitem__("betas", (1.0, 0.9)), ValueError, "beta"),
         (
             lambda opt, ps: setattr(ps[0], "data", ps[0].data.t().contiguous()),
@@ -110,7 +115,7 @@ def test_a_tensor_lr_written_in_place_is_read_on_the_next_step() -> None:
             "state does not match parameter",
         ),
     ],
-    ids=["eps", "betas", "grad-shape", "grad-dtype", "entry-tensor"],
+    ids=["eps", "nan-lr", "betas", "grad-shape", "grad-dtype", "entry-tensor"],
 )
 def test_a_change_between_steady_steps_is_rejected_before_anything_changes(
     change: Callable[[Gefen, list[torch.nn.Parameter]], None],
@@ -124,6 +129,7 @@ def test_a_change_between_steady_steps_is_rejected_before_anything_changes(
     _grads(params, 50)
     saved = {
         "eps": optimizer.param_groups[0]["eps"],
+        "lr": optimizer.param_groups[0]["lr"],
         "betas": optimizer.param_groups[0]["betas"],
         "grads": [param.grad for param in params],
         "data": [param.data for param in params],
@@ -133,6 +139,7 @@ def test_a_change_between_steady_steps_is_rejected_before_anything_changes(
 
     def restore() -> None:
         optimizer.param_groups[0]["eps"] = saved["eps"]
+        optimizer.param_groups[0]["lr"] = saved["lr"]
         optimizer.param_groups[0]["betas"] = saved["betas"]
         for param, grad, data in zip(params, saved["grads"], saved["data"], strict=True):
             param.data = data
@@ -170,3 +177,20 @@ def test_the_token_declines_dtensors_and_other_tensor_subclasses() -> None:
     assert step_token(groups, {}, {}) is not None
     param.grad = torch.randn(4).as_subclass(Tagged)
     assert step_token(groups, {}, {}) is None
+
+
+def test_an_lr_schedule_keeps_the_fast_path() -> None:
+    # A scheduler writes lr every step; the structure did not change, so neither does the token.
+    optimizer, params = _model()
+    _train(optimizer, params, range(3), lambda step: None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    _grads(params, 3)
+    optimizer.step()  # the scheduler added "initial_lr" to the group: one full step
+    scheduler.step()
+    token = optimizer.__dict__["_steady"]
+    for step in range(4, 8):
+        _grads(params, step)
+        optimizer.step()
+        scheduler.step()
+        assert optimizer.__dict__["_steady"] is token
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 6)

@@ -169,7 +169,8 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Kernel selection of the local preflight (§11); the default has nothing to select."""
 
     def _build_state_entries(self, operation: GuardedOperation) -> dict[int, dict[str, Any]]:
-        return {index: dict(self.state[param]) for index, _, param in self.indexed_params()}
+        entries = self.state  # .get: a parameter put in a group later has none (never emit {})
+        return {i: dict(entries.get(p, {"period": 0})) for i, _, p in self.indexed_params()}
 
     def stage_entries(
         self,

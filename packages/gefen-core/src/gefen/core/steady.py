@@ -1,11 +1,12 @@
 """The steady-state step: what a step may skip because nothing it checks has changed.
 
-A training loop calls ``step()`` thousands of times on the same parameters, groups, options
-and state entries; only the gradient values and the counters move. ``step_token`` captures in
-one pass everything the structural preflight (options, gradient structure, entry match, kernel
-selection) and the step plan depend on. When it equals the token of the last step that passed
-those checks, the shell skips them and the optimizer reuses its plan; the checks that read
-values (finiteness, GradScaler's controls, the vote) run every step.
+A training loop calls ``step()`` thousands of times on the same parameters, groups and state
+entries; only the gradient values, the counters and (under a schedule) the hyperparameter
+values move. ``step_token`` captures in one pass everything the structural preflight (gradient
+structure, entry match, kernel selection) and the step plan's updates depend on. When it equals
+the token of the last step that passed those checks, the shell skips them and the optimizer
+reuses its planned updates; what reads values runs every step (the option rules, each group's
+scalars, finiteness, GradScaler's controls, the vote).
 
 The token is written as plain loops on purpose: it runs every step, and a comprehension or a
 helper call per parameter would cost more than the checks it replaces. It covers plain tensors
