@@ -568,6 +568,19 @@ def scenario_presence(rank: int, world_size: int, layout: str) -> dict[str, Any]
     return result
 
 
+def scenario_presence_steady(rank: int, world_size: int, layout: str, cls: str) -> dict[str, Any]:
+    """A gradient missing on one rank at a step that learns nothing (the codebook exists, no
+    refresh is due): only the step header can see it."""
+    scoped = Scoped(rank, layout, cls)
+    scoped.train(range(2))
+    scoped.set_grad(10)
+    if rank == 1 and scoped.target is not None:
+        scoped.target.grad = None
+    result = _rejected(scoped.opt, scoped.opt.step)
+    result["after"] = _steps(scoped)
+    return result
+
+
 # --- scenarios: injected failures in the learning phases ----------------------------------
 
 
@@ -673,6 +686,10 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("learn_muon_replicated", scenario_learn, ("replicated", "GefenMuon", "initialize")),
     ("presence_replicated", scenario_presence, ("replicated",)),
     ("presence_flat", scenario_presence, ("flat",)),
+    ("steady_presence_replicated", scenario_presence_steady, ("replicated", "Gefen")),
+    ("steady_presence_flat", scenario_presence_steady, ("flat", "Gefen")),
+    ("steady_presence_flat_empty", scenario_presence_steady, ("flat_empty", "Gefen")),
+    ("steady_presence_muon", scenario_presence_steady, ("replicated", "GefenMuon")),
     ("solve", scenario_injected, ("solve",)),
     ("staging", scenario_injected, ("staging",)),
     ("codes_crafted", scenario_refresh_codes, (True,)),
@@ -998,29 +1015,40 @@ def test_the_oracle_distinguishes_the_contribution_rules() -> None:
     assert _oracle([flat[:24], flat[24:]]) != _oracle([flat])
 
 
-@pytest.mark.parametrize(
-    ("layout", "message"),
-    [
-        (
-            "replicated",
-            "Gefen requires identical gradient presence and automatic periods for replicated "
-            "parameter 'w' on every process-group member",
-        ),
-        (
-            "flat",
-            "Gefen requires every nonempty shard of flattened parameter 'w' to agree on gradient "
-            "presence",
-        ),
-    ],
-)
-def test_gradient_presence_mismatch_fails_on_both_ranks(
-    world: ScenarioWorld, layout: str, message: str
-) -> None:
+@pytest.mark.parametrize("layout", ["replicated", "flat"])
+def test_gradient_presence_mismatch_fails_on_both_ranks(world: ScenarioWorld, layout: str) -> None:
+    """At the learning step the header's ``gradient_presence`` words see the mismatch first;
+    the contribution records' own presence rule (tested in gefen-dist) stays behind it."""
     results = _both(world, f"presence_{layout}")
     for result in results:
-        assert result["error"] == f"GroupAgreementError: {message}"
+        assert result["error"] == _header_error("Gefen", "gradient_presence")
     _fast_and_unchanged(*results)
     _same_after(results, 1)
+
+
+@pytest.mark.parametrize("case", ["replicated", "flat", "muon"])
+def test_gradient_presence_mismatch_at_a_steady_step_fails_the_header_on_both_ranks(
+    world: ScenarioWorld, case: str
+) -> None:
+    """No learning runs at this step, so no contribution record is exchanged: the step header's
+    ``gradient_presence`` words carry the pattern (no collective added)."""
+    results = _both(world, f"steady_presence_{case}")
+    owner = "GefenMuon" if case == "muon" else "Gefen"
+    for result in results:
+        assert result["error"] == _header_error(owner, "gradient_presence")
+    _fast_and_unchanged(*results)
+    _same_after(results, 3)
+
+
+def test_an_empty_flattened_shard_does_not_take_part_in_the_presence_words(
+    world: ScenarioWorld,
+) -> None:
+    """Rank 1 holds no element of ``w``: its missing gradient is no disagreement (the rule of the
+    contribution records, docs/dist.md §9.6), so the step runs on both ranks."""
+    first, second = _both(world, "steady_presence_flat_empty")
+    assert first["error"] is None
+    assert second["error"] is None
+    assert first["after"]["global_step"] == second["after"]["global_step"] == 4
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from gefen.dist import (
     CheckpointProcessGroupBinding,
     CodebookProcessGroupBinding,
     GroupAgreementError,
+    presence_words,
 )
 from gefen.dist.codebook_scope import (
     HEADER_WORD_NAMES,
@@ -148,7 +149,7 @@ def test_header_word_names_label_every_payload_word() -> None:
     assert HEADER_WORD_NAMES[6:10] == ("scope_fingerprint",) * 4
     assert HEADER_WORD_NAMES[10:14] == ("manifest_fingerprint",) * 4
     assert HEADER_WORD_NAMES[14:18] == ("codebook_fingerprint",) * 4
-    assert HEADER_WORD_NAMES[18:] == ("reserved",) * 3
+    assert HEADER_WORD_NAMES[18:] == ("gradient_presence", "gradient_presence", "reserved")
 
 
 def test_payload_layout_follows_the_table() -> None:
@@ -164,13 +165,14 @@ def test_payload_layout_follows_the_table() -> None:
         scope_fingerprint=scope,
         manifest_fingerprint=manifest,
         codebook_fingerprint=codebook,
+        gradient_presence=presence_words([True, None, False]),
     )
     assert len(payload) == 21
     assert payload[:6] == (41, 1, 0, 10, 0, 3)
     assert payload[6:10] == fingerprint_words(scope)
     assert payload[10:14] == fingerprint_words(manifest)
     assert payload[14:18] == fingerprint_words(codebook)
-    assert payload[18:] == (0, 0, 0)
+    assert payload[18:] == (*presence_words([True, None, False]), 0)
 
 
 def test_absent_fingerprints_are_zeros() -> None:
@@ -218,6 +220,10 @@ def test_fingerprints_use_the_contract_encoding() -> None:
         ({"refresh_every": True}, TypeError),
         ({"local_shard_count": 2**63}, ValueError),
         ({"codebook_fingerprint": b"x" * 31}, TypeError),
+        ({"gradient_presence": [1, 2]}, TypeError),
+        ({"gradient_presence": (1,)}, TypeError),
+        ({"gradient_presence": (-1, 0)}, ValueError),
+        ({"gradient_presence": (0, 1.0)}, TypeError),
     ],
 )
 def test_payload_rejects_bad_words(override: dict[str, object], error: type) -> None:

@@ -25,6 +25,16 @@ def test_presence_words_are_two_int64_words_that_follow_the_pattern_and_its_orde
     assert presence_words(first) != presence_words(second)
 
 
+def test_an_uncompared_position_is_neither_present_nor_absent() -> None:
+    """``None`` (a shard whose presence no rule compares) digests as its own value: a pattern
+    with it differs from both flags there, and it is not counted as present."""
+    with_marker = presence_words([True, None, False])
+    assert with_marker[1] == 1
+    assert with_marker != presence_words([True, True, False])
+    assert with_marker != presence_words([True, False, False])
+    assert presence_words([True, None, False]) == with_marker
+
+
 def test_an_empty_scope_votes_nothing() -> None:
     assert vote_over((), True, (5, 7)) == (True, True)
     assert vote_over((), False) == (False, True)

@@ -296,8 +296,30 @@ def scenario_child_presence(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+def scenario_steady_presence(rank: int, world_size: int, which: str) -> dict[str, Any]:
+    """Rank 1 lacks one gradient of the ``which`` child at a step that learns nothing."""
+    scoped = ScopedHybrid(rank)
+    scoped.train(range(2))
+    scoped.set_grads(3)
+    if rank == 1:
+        name = (MUON_NAMES if which == "muon" else BACKUP_NAMES)[0]
+        scoped.targets[name].grad = None
+    before = _snapshot(scoped.hybrid)
+    headers = _record_headers()
+    try:
+        result = _attempt(scoped.hybrid.step)
+    finally:
+        _restore_headers()
+    result["changes"] = _changes(scoped.hybrid, before)
+    result["headers"] = headers
+    result["after"] = _steps(scoped)
+    return result
+
+
 SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("learn", scenario_learn, ()),
+    ("steady_presence_muon", scenario_steady_presence, ("muon",)),
+    ("steady_presence_backup", scenario_steady_presence, ("backup",)),
     ("reload_muon", scenario_reload_header, ("muon",)),
     ("reload_backup", scenario_reload_header, ("backup",)),
     ("clear_both", scenario_clear_binding, ("both",)),
@@ -410,3 +432,23 @@ def test_child_presence_differing_fails_identically_at_the_first_header(
         # Only the mask header was exchanged: no child header, no learning, no commit.
         assert result["headers"] == [(3, 1)]
     assert results[0]["changes"] == []
+
+
+@pytest.mark.parametrize("which", ["muon", "backup"])
+def test_a_gradient_missing_on_one_rank_fails_that_childs_header_on_both_ranks(
+    world: ScenarioWorld, which: str
+) -> None:
+    """The child headers carry each child's presence words, so a step that learns nothing still
+    fails on every rank, at the header of the child that lacks the gradient, before any write."""
+    results = world[f"steady_presence_{which}"]
+    expected = (
+        f"GroupAgreementError: {OWNER} operation header differs across process-group members: "
+        "gradient_presence"
+    )
+    for result in results:
+        assert result["error"] == expected
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        # The mask header, then the child headers up to the one that differs.
+        assert result["headers"] == [(3, 1), (3, 21)] + ([(3, 21)] if which == "backup" else [])
+    _same_after(results, 3)

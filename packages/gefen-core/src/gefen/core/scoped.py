@@ -21,6 +21,7 @@ from gefen.dist import (
     PHASE_LOCAL_HISTOGRAM_PREPARATION,
     PHASE_MOMENTUM_REQUANTIZATION_STAGING,
     GuardedOperation,
+    presence_words,
 )
 from gefen.dist.codebook_scope import (
     CONTRIBUTION_LAYOUT_CODES,
@@ -135,6 +136,10 @@ def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
         return None
     codebook = optimizer.codebook
     digest = None if codebook is None else codebook_fingerprint_of(codebook)
+    # A step that learns nothing exchanges no contribution record (§9.6), so the header carries
+    # the presence pattern; it is in every header so that its words never differ by anything
+    # but the pattern.
+    presence = presence_words(finalized.presence_pattern())
     return list(
         codebook_header_payload(
             global_step=optimizer.global_step,
@@ -145,5 +150,6 @@ def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
             scope_fingerprint=finalized.scope_fingerprint,
             manifest_fingerprint=finalized.manifest_fingerprint,
             codebook_fingerprint=digest,
+            gradient_presence=presence,
         )
     )

@@ -7,13 +7,15 @@ with its tensor, and the codebook scope's binding and fingerprints.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from torch import Tensor
 
-from gefen.contracts import ShardIdentity, ShardingManifest
+from gefen.contracts import LogicalSlice, ParameterLayout, ShardIdentity, ShardingManifest
 from gefen.dist import CodebookProcessGroupBinding
 
 __all__ = ["Finalized", "ParameterRebinding"]
@@ -49,6 +51,29 @@ class Finalized:
     scope_fingerprint: bytes | None
     manifest_fingerprint: bytes
 
+    @cached_property
+    def presence_compared(self) -> tuple[bool, ...]:
+        """Per local shard: whether its gradient presence must agree across members (the rule
+        of the contribution records, docs/dist.md §9.6): replicated shards, and flattened ones
+        where no member's shard is empty. Read from the global manifest, so equal on members."""
+        compared = []
+        for shard, _ in self.shards:
+            if shard.layout is ParameterLayout.REPLICATED:
+                compared.append(True)
+            elif shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
+                peers = self.manifest.for_parameter(shard.parameter.fqn)
+                compared.append(all(_extent_length(peer) > 0 for peer in peers))
+            else:
+                compared.append(False)
+        return tuple(compared)
+
+    def presence_pattern(self) -> list[bool | None]:
+        """This member's gradient presence at the compared shards (None elsewhere)."""
+        return [
+            (tensor is not None and tensor.grad is not None) if compared else None
+            for (_, tensor), compared in zip(self.shards, self.presence_compared, strict=True)
+        ]
+
     def layout_intact(self, param_groups: Sequence[Any]) -> bool:
         """Each group's live ``params`` still holds the finalized tensors (``is``, in order)."""
         if len(param_groups) != len(self.group_params):
@@ -60,3 +85,11 @@ class Finalized:
             ):
                 return False
         return True
+
+
+def _extent_length(shard: ShardIdentity) -> int:
+    """Elements of the shard's extent (a flat slice, or a region's box)."""
+    extent = shard.extent
+    if isinstance(extent, LogicalSlice):
+        return extent.length
+    return math.prod(extent.lengths)

@@ -56,7 +56,8 @@ HEADER_WORD_NAMES: tuple[str, ...] = (
     *(("scope_fingerprint",) * 4),
     *(("manifest_fingerprint",) * 4),
     *(("codebook_fingerprint",) * 4),
-    *(("reserved",) * 3),
+    *(("gradient_presence",) * 2),
+    "reserved",
 )
 assert len(HEADER_WORD_NAMES) == HEADER_PAYLOAD_WORDS
 
@@ -135,8 +136,14 @@ def codebook_header_payload(
     scope_fingerprint: bytes | None,
     manifest_fingerprint: bytes | None,
     codebook_fingerprint: bytes | None,
+    gradient_presence: tuple[int, int] = (0, 0),
 ) -> tuple[int, ...]:
-    """The 21 payload words of a codebook operation header, labelled by ``HEADER_WORD_NAMES``."""
+    """The 21 payload words of a codebook operation header, labelled by ``HEADER_WORD_NAMES``.
+
+    ``gradient_presence`` is ``gefen.dist.presence_words`` of the pattern the members must agree
+    on (docs/dist.md §9.2), or zeros where the operation checks presence otherwise."""
+    if type(gradient_presence) is not tuple or len(gradient_presence) != 2:
+        raise TypeError(f"gradient_presence must be a pair of ints, got {gradient_presence!r:.80}")
     words = (
         _count("global_step", global_step),
         _flag("codebook_present", codebook_present),
@@ -147,8 +154,8 @@ def codebook_header_payload(
         *fingerprint_words(scope_fingerprint),
         *fingerprint_words(manifest_fingerprint),
         *fingerprint_words(codebook_fingerprint),
-        0,
-        0,
+        _count("gradient_presence", gradient_presence[0]),
+        _count("gradient_presence", gradient_presence[1]),
         0,
     )
     assert len(words) == HEADER_PAYLOAD_WORDS

@@ -74,13 +74,14 @@ def any_true_over(scope: Sequence[Channel], flag: bool) -> bool:
     return vote_over(scope, flag)[0]
 
 
-def presence_words(present: Iterable[bool]) -> tuple[int, int]:
+def presence_words(present: Iterable[bool | None]) -> tuple[int, int]:
     """The ``AGREEMENT_WIDTH`` words of a gradient-presence pattern: a 56-bit digest of the
     flags in order, and how many are set (equal words on every member = equal patterns, up to
-    a digest collision)."""
-    flags = bytes(1 if flag else 0 for flag in present)
+    a digest collision). ``None`` marks a position that is not compared (it digests as its own
+    value, the same on every member)."""
+    flags = bytes(2 if flag is None else 1 if flag else 0 for flag in present)
     digest = int.from_bytes(hashlib.blake2b(flags, digest_size=7).digest(), "big")
-    return digest, sum(flags)
+    return digest, flags.count(1)
 
 
 def synchronize_step_error(
