@@ -355,27 +355,33 @@ def scenario_refresh_versus_step(rank: int, world_size: int) -> dict[str, Any]:
 def scenario_step_apart(
     rank: int, world_size: int, saved_at: int, cls: str = "GefenMuon"
 ) -> dict[str, Any]:
-    """Rank 1 reloads an older checkpoint. GefenMuon's scoped checkpoints are not rank-local,
-    so the load passes and the next header fails; Gefen's are, and the load itself is refused
-    (its rank-local records carry the step)."""
+    """Rank 1 reloads an older checkpoint: the load's header (the step, codebook and replicated
+    state it would publish) differs, so the load is refused on both ranks."""
     scoped = Scoped(rank, cls=cls)
     saved = {0: copy.deepcopy(scoped.opt.state_dict())}
     for step in (1, 2):
         scoped.train(range(step, step + 1))
         saved[step] = copy.deepcopy(scoped.opt.state_dict())
     older = copy.deepcopy(saved[saved_at if rank == 1 else 2])
-    if cls == "Gefen":
-        result = _rejected(scoped.opt, lambda: scoped.opt.load_state_dict(older))
-        result["loaded_step"] = scoped.opt.global_step
-        result["rank_local"] = "rank_local" in older["gefen"]
-    else:
-        scoped.opt.load_state_dict(older)
-        loaded_step = scoped.opt.global_step
-        scoped.set_grad(3)
-        result = _rejected(scoped.opt, scoped.opt.step)
-        result["loaded_step"] = loaded_step
-        result["rank_local"] = "rank_local" in older["gefen"]
+    result = _rejected(scoped.opt, lambda: scoped.opt.load_state_dict(older))
+    result["loaded_step"] = scoped.opt.global_step
+    result["rank_local"] = "rank_local" in older["gefen"]
     scoped.opt.load_state_dict(copy.deepcopy(saved[2]))
+    result["after"] = _steps(scoped)
+    return result
+
+
+def scenario_load_while_stepping(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0 loads its own checkpoint while rank 1 steps: both votes pass, then the headers
+    (op 4 against op 3) differ in the operation word, so neither rank waits on the other."""
+    scoped = Scoped(rank)
+    scoped.train(range(2))
+    saved = copy.deepcopy(scoped.opt.state_dict())
+    scoped.set_grad(3)
+    if rank == 0:
+        result = _rejected(scoped.opt, lambda: scoped.opt.load_state_dict(saved))
+    else:
+        result = _rejected(scoped.opt, scoped.opt.step)
     result["after"] = _steps(scoped)
     return result
 
@@ -411,7 +417,7 @@ def _same_entries(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def scenario_checkpoint_codebook_reload(rank: int, world_size: int) -> dict[str, Any]:
     """Scoped round trip, then rank 1 reloads a checkpoint of another run (same step, other
-    codebook): the load passes, the next step's header names the codebook fingerprint."""
+    codebook): the load's header names the codebook fingerprint on both ranks."""
     scoped = Scoped(rank)
     scoped.train(range(2))
     mine = copy.deepcopy(scoped.opt.state_dict())
@@ -441,17 +447,16 @@ def scenario_checkpoint_codebook_reload(rank: int, world_size: int) -> dict[str,
     other.train(range(20, 23))
     theirs = copy.deepcopy(other.opt.state_dict())
     before_load = scoped.codebook()
-    scoped.opt.load_state_dict(copy.deepcopy(theirs if rank == 1 else mine))
+    result = _rejected(
+        scoped.opt, lambda: scoped.opt.load_state_dict(copy.deepcopy(theirs if rank == 1 else mine))
+    )
     loaded = scoped.codebook()
-    scoped.set_grad(8)
-    result = _rejected(scoped.opt, scoped.opt.step)
     result["round_trip"] = round_trip
     result["loaded"] = {
         "own": loaded == before_load,
         "other_run": loaded == other.codebook(),
         "step": scoped.opt.global_step,
     }
-    scoped.opt.load_state_dict(copy.deepcopy(mine))
     result["after"] = _steps(scoped)
     return result
 
@@ -672,6 +677,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("two_steps_apart", scenario_step_apart, (0, "GefenMuon")),
     ("gefen_step_apart", scenario_step_apart, (1, "Gefen")),
     ("codebook_edit", scenario_codebook_edit, ()),
+    ("load_while_stepping", scenario_load_while_stepping, ()),
     ("checkpoint_reload", scenario_checkpoint_codebook_reload, ()),
     ("checkpoint_binding", scenario_checkpoint_binding, ()),
     ("reversed", scenario_reversed_members, ()),
@@ -855,35 +861,37 @@ def test_refresh_on_one_rank_while_the_other_steps_fails_the_header(world: Scena
 
 
 @pytest.mark.parametrize(
-    ("name", "saved_at", "labels"),
+    ("name", "owner", "labels"),
     [
-        ("one_step_apart", 1, "global_step"),
-        ("two_steps_apart", 0, "global_step, codebook_present, codebook_fingerprint"),
+        ("one_step_apart", "GefenMuon", "global_step, replicated_state"),
+        (
+            "two_steps_apart",
+            "GefenMuon",
+            "global_step, codebook_present, codebook_fingerprint, replicated_state",
+        ),
+        ("gefen_step_apart", "Gefen", "global_step, replicated_state"),
     ],
 )
-def test_ranks_apart_after_a_one_rank_reload_fail_the_header_identically(
-    world: ScenarioWorld, name: str, saved_at: int, labels: str
+def test_a_one_rank_reload_of_an_older_checkpoint_is_refused_at_the_load_header(
+    world: ScenarioWorld, name: str, owner: str, labels: str
 ) -> None:
+    """Replicated state must agree at load (nothing published, both ranks raise), not at the
+    next step; Gefen's rank-local records would name the tag, but the header comes first."""
     results = _both(world, name)
-    assert [result["loaded_step"] for result in results] == [2, saved_at]
     for result in results:
-        assert result["rank_local"] is False
-        assert result["error"] == _header_error("GefenMuon", labels)
+        assert result["rank_local"] is (owner == "Gefen")
+        assert result["error"] == _header_error(owner, labels)
+        assert result["loaded_step"] == 2
     _fast_and_unchanged(*results)
     _same_after(results, 3)
 
 
-def test_gefen_one_rank_reload_of_an_older_checkpoint_is_refused_at_load(
+def test_a_load_on_one_rank_while_the_other_steps_fails_both_at_the_operation_word(
     world: ScenarioWorld,
 ) -> None:
-    results = _both(world, "gefen_step_apart")
+    results = _both(world, "load_while_stepping")
     for result in results:
-        assert result["rank_local"] is True
-        assert result["error"] == (
-            "GroupAgreementError: Gefen rank-local checkpoint differs across process-group "
-            "members: tag"
-        )
-        assert result["loaded_step"] == 2
+        assert result["error"] == _header_error("Gefen", "operation")
     _fast_and_unchanged(*results)
     _same_after(results, 3)
 
@@ -906,10 +914,8 @@ def test_scoped_checkpoint_round_trip_and_a_one_rank_reload_of_another_codebook(
             "codebook": True,
             "same_after_step": True,
         }
-        assert result["error"] == _header_error("Gefen", "codebook_fingerprint")
-    first, second = results
-    assert first["loaded"] == {"own": True, "other_run": False, "step": 3}
-    assert second["loaded"] == {"own": False, "other_run": True, "step": 3}
+        assert result["error"] == _header_error("Gefen", "codebook_fingerprint, replicated_state")
+        assert result["loaded"] == {"own": True, "other_run": False, "step": 3}
     _fast_and_unchanged(*results)
     _same_after(results, 4)
 

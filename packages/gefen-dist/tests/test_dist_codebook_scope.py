@@ -165,7 +165,7 @@ def test_payload_layout_follows_the_table() -> None:
         scope_fingerprint=scope,
         manifest_fingerprint=manifest,
         codebook_fingerprint=codebook,
-        gradient_presence=presence_words([True, None, False]),
+        agreement=presence_words([True, None, False]),
     )
     assert len(payload) == 21
     assert payload[:6] == (41, 1, 0, 10, 0, 3)
@@ -220,10 +220,10 @@ def test_fingerprints_use_the_contract_encoding() -> None:
         ({"refresh_every": True}, TypeError),
         ({"local_shard_count": 2**63}, ValueError),
         ({"codebook_fingerprint": b"x" * 31}, TypeError),
-        ({"gradient_presence": [1, 2]}, TypeError),
-        ({"gradient_presence": (1,)}, TypeError),
-        ({"gradient_presence": (-1, 0)}, ValueError),
-        ({"gradient_presence": (0, 1.0)}, TypeError),
+        ({"agreement": [1, 2]}, TypeError),
+        ({"agreement": (1,)}, TypeError),
+        ({"agreement": (-1, 0)}, ValueError),
+        ({"agreement": (0, 1.0)}, TypeError),
     ],
 )
 def test_payload_rejects_bad_words(override: dict[str, object], error: type) -> None:

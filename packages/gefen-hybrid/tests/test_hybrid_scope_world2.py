@@ -221,8 +221,8 @@ def scenario_learn(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def scenario_reload_header(rank: int, world_size: int, which: str) -> dict[str, Any]:
-    """Rank 1 reloads another run's checkpoint (same step) whose ``which`` child learned
-    another codebook; the next composite step fails at that child's header."""
+    """Rank 1 loads another run's checkpoint (same step) whose ``which`` child learned another
+    codebook; the composite load fails at that child's load header on both ranks."""
     scoped = ScopedHybrid(rank)
     scoped.train(range(2))
     mine = copy.deepcopy(scoped.hybrid.state_dict())
@@ -235,19 +235,18 @@ def scenario_reload_header(rank: int, world_size: int, which: str) -> dict[str, 
         other.hybrid.step()
     theirs = copy.deepcopy(other.hybrid.state_dict())
     before_load = scoped.codebooks()
-    scoped.hybrid.load_state_dict(copy.deepcopy(theirs if rank == 1 else mine))
-    after_load = scoped.codebooks()
-    scoped.set_grads(3)
     before = _snapshot(scoped.hybrid)
     headers = _record_headers()
     try:
-        result = _attempt(scoped.hybrid.step)
+        result = _attempt(
+            lambda: scoped.hybrid.load_state_dict(copy.deepcopy(theirs if rank == 1 else mine))
+        )
     finally:
         _restore_headers()
     result["changes"] = _changes(scoped.hybrid, before)
     result["headers"] = headers
+    after_load = scoped.codebooks()
     result["loaded"] = {role: after_load[role] == before_load[role] for role in ("muon", "backup")}
-    scoped.hybrid.load_state_dict(copy.deepcopy(mine))
     result["after"] = _steps(scoped)
     return result
 
@@ -368,20 +367,19 @@ def test_post_sharding_installs_one_binding_and_both_children_learn_the_oracle(
 
 
 @pytest.mark.parametrize(("which", "entered"), [("muon", 2), ("backup", 3)])
-def test_composite_header_after_a_one_rank_reload_names_the_differing_word(
+def test_a_one_rank_reload_of_another_run_is_refused_at_the_childs_load_header(
     world: ScenarioWorld, which: str, entered: int
 ) -> None:
+    """The load exchanges the child-presence header and then one load header per child (op 4),
+    as a step does: the child whose codebook differs fails both ranks, nothing published."""
     results = world[f"reload_{which}"]
-    first, second = results
-    assert first["loaded"] == {"muon": True, "backup": True}
-    assert second["loaded"] == {"muon": which != "muon", "backup": which != "backup"}
     for result in results:
+        assert result["loaded"] == {"muon": True, "backup": True}  # nothing published
         assert result["error"] == (
             f"GroupAgreementError: {OWNER} operation header differs across process-group "
-            "members: codebook_fingerprint"
+            "members: codebook_fingerprint, replicated_state"
         )
-        # child_presence (1 word), then the children's headers in order until the differing one.
-        assert result["headers"] == [(3, 1), (3, 21), (3, 21)][:entered]
+        assert result["headers"] == [(4, 1), (4, 21), (4, 21)][:entered]
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
     _same_after(results, 3)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.replicas import NO_REPLICA, replica_words
+from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import parameter_label
@@ -32,6 +33,7 @@ from gefen.dist import (
     check_rank_local_records,
     rank_local_header,
 )
+from gefen.dist.codebook_scope import LOAD_HEADER_WORD_NAMES, OP_LOAD
 from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_hooks
 
 if TYPE_CHECKING:
@@ -181,7 +183,14 @@ class PreparedLoad:
     replica_words: tuple[int, int] = NO_REPLICA  # the load vote compares them (replicas.py)
 
     def agree(self, operation: GuardedOperation) -> None:
-        """Symmetric checks on gathered data (the rank-local records, docs/dist.md §10.3)."""
+        """Symmetric checks on gathered data: with a codebook scope the load's header (the step,
+        codebook and replicated state it would publish, docs/dist.md §9.2), then the rank-local
+        records (§10.3)."""
+        payload = load_header_payload(
+            self.optimizer, self.global_step, self.codebook, self.replica_words
+        )
+        if operation.binding is not None and payload is not None:
+            operation.header(OP_LOAD, payload, LOAD_HEADER_WORD_NAMES)
         if self.rank_local is not None and len(operation.scope) > 0:
             check_rank_local_records(
                 self.rank_local,

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
     from gefen.core.sharded_layout import Finalized
 
-__all__ = ["scope_header_payload", "scoped_learn", "scoped_refresh_table"]
+__all__ = ["load_header_payload", "scope_header_payload", "scoped_learn", "scoped_refresh_table"]
 
 _Local = tuple[list[int], Tensor, dict[int, int]]
 
@@ -130,19 +130,40 @@ def scoped_refresh_table(
 
 
 def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
-    """The step header's payload words (docs/dist.md §9.2); None while no binding is installed."""
+    """The step header's payload words (docs/dist.md §9.2); None while no binding is installed.
+
+    A step that learns nothing exchanges no contribution record (§9.6), so the header carries the
+    presence pattern; it is in every header so that its words never differ by anything but the
+    pattern."""
     finalized = optimizer.finalized
     if optimizer.binding is None or finalized is None:
         return None
-    codebook = optimizer.codebook
-    digest = None if codebook is None else codebook_fingerprint_of(codebook)
-    # A step that learns nothing exchanges no contribution record (§9.6), so the header carries
-    # the presence pattern; it is in every header so that its words never differ by anything
-    # but the pattern.
     presence = presence_words(finalized.presence_pattern())
+    return _header_words(optimizer, finalized, optimizer.global_step, optimizer.codebook, presence)
+
+
+def load_header_payload(
+    optimizer: ShellInterface, global_step: int, codebook: Tensor | None, replica: tuple[int, int]
+) -> list[int] | None:
+    """A staged load's header words (``LOAD_HEADER_WORD_NAMES``): the step and codebook it would
+    publish and its replicated-state words; None while no binding is installed."""
+    finalized = optimizer.finalized
+    if optimizer.binding is None or finalized is None:
+        return None
+    return _header_words(optimizer, finalized, global_step, codebook, replica)
+
+
+def _header_words(
+    optimizer: ShellInterface,
+    finalized: Finalized,
+    global_step: int,
+    codebook: Tensor | None,
+    agreement: tuple[int, int],
+) -> list[int]:
+    digest = None if codebook is None else codebook_fingerprint_of(codebook)
     return list(
         codebook_header_payload(
-            global_step=optimizer.global_step,
+            global_step=global_step,
             codebook_present=codebook is not None,
             deterministic=bool(optimizer.defaults["deterministic"]),
             refresh_every=int(optimizer.defaults.get("codebook_refresh_every", 0)),
@@ -150,6 +171,6 @@ def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
             scope_fingerprint=finalized.scope_fingerprint,
             manifest_fingerprint=finalized.manifest_fingerprint,
             codebook_fingerprint=digest,
-            gradient_presence=presence,
+            agreement=agreement,
         )
     )

@@ -74,6 +74,12 @@ class Finalized:
             for (_, tensor), compared in zip(self.shards, self.presence_compared, strict=True)
         ]
 
+    def replicated_positions(self) -> list[int] | None:
+        """Flat positions (group order) of the replicated shards: their state is a replica."""
+        layouts = [shard.layout for shards in self.group_shards for shard in shards]
+        replicated = [i for i, layout in enumerate(layouts) if layout is ParameterLayout.REPLICATED]
+        return replicated or None
+
     def layout_intact(self, param_groups: Sequence[Any]) -> bool:
         """Each group's live ``params`` still holds the finalized tensors (``is``, in order)."""
         if len(param_groups) != len(self.group_params):

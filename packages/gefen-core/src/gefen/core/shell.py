@@ -132,7 +132,7 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None:
         """Flat positions whose state is identical on every rank (None: no replica)."""
-        return None
+        return None if self._finalized is None else self._finalized.replicated_positions()
 
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
         """Registration-only rules for a normalised new group (GefenMuon: 2-D parameters, no

@@ -29,7 +29,9 @@ __all__ = [
     "CONTRIBUTION_LAYOUT_CODES",
     "CONTRIBUTION_RECORD_WORDS",
     "HEADER_WORD_NAMES",
+    "LOAD_HEADER_WORD_NAMES",
     "OP_INITIALIZE",
+    "OP_LOAD",
     "OP_REFRESH",
     "OP_STEP",
     "check_contribution_records",
@@ -44,6 +46,7 @@ __all__ = [
 OP_INITIALIZE = 1
 OP_REFRESH = 2
 OP_STEP = 3
+OP_LOAD = 4
 
 # One label per payload word (header words 3..23); a fingerprint spans four words.
 HEADER_WORD_NAMES: tuple[str, ...] = (
@@ -60,6 +63,15 @@ HEADER_WORD_NAMES: tuple[str, ...] = (
     "reserved",
 )
 assert len(HEADER_WORD_NAMES) == HEADER_PAYLOAD_WORDS
+
+# A load's header: the loaded step and codebook in the same words, and in words 21-22 the digest
+# of the state every member must hold identically (``gefen.core.replicas``).
+LOAD_HEADER_WORD_NAMES: tuple[str, ...] = (
+    *HEADER_WORD_NAMES[:18],
+    *(("replicated_state",) * 2),
+    "reserved",
+)
+assert len(LOAD_HEADER_WORD_NAMES) == HEADER_PAYLOAD_WORDS
 
 _SCOPED_LAYOUTS = (
     ParameterLayout.REPLICATED,
@@ -136,14 +148,16 @@ def codebook_header_payload(
     scope_fingerprint: bytes | None,
     manifest_fingerprint: bytes | None,
     codebook_fingerprint: bytes | None,
-    gradient_presence: tuple[int, int] = (0, 0),
+    agreement: tuple[int, int] = (0, 0),
 ) -> tuple[int, ...]:
-    """The 21 payload words of a codebook operation header, labelled by ``HEADER_WORD_NAMES``.
+    """The 21 payload words of a codebook operation header, labelled by ``HEADER_WORD_NAMES``
+    (``LOAD_HEADER_WORD_NAMES`` for a load).
 
-    ``gradient_presence`` is ``gefen.dist.presence_words`` of the pattern the members must agree
-    on (docs/dist.md §9.2), or zeros where the operation checks presence otherwise."""
-    if type(gradient_presence) is not tuple or len(gradient_presence) != 2:
-        raise TypeError(f"gradient_presence must be a pair of ints, got {gradient_presence!r:.80}")
+    ``agreement`` fills words 21-22: ``gefen.dist.presence_words`` of the gradient presence the
+    members must agree on (initialize, refresh, step), or a load's replicated-state words
+    (docs/dist.md §9.2)."""
+    if type(agreement) is not tuple or len(agreement) != 2:
+        raise TypeError(f"agreement must be a pair of ints, got {agreement!r:.80}")
     words = (
         _count("global_step", global_step),
         _flag("codebook_present", codebook_present),
@@ -154,8 +168,8 @@ def codebook_header_payload(
         *fingerprint_words(scope_fingerprint),
         *fingerprint_words(manifest_fingerprint),
         *fingerprint_words(codebook_fingerprint),
-        _count("gradient_presence", gradient_presence[0]),
-        _count("gradient_presence", gradient_presence[1]),
+        _count("agreement", agreement[0]),
+        _count("agreement", agreement[1]),
         0,
     )
     assert len(words) == HEADER_PAYLOAD_WORDS

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from gefen.core.extension import copy_containers
 from gefen.dist import GuardedOperation
+from gefen.dist.codebook_scope import OP_LOAD
 from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_hooks
 from gefen.hybrid.adamw_participant import PreparedChildLoad
+from gefen.hybrid.composite import child_presence_mask
 
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
@@ -57,6 +59,10 @@ class PreparedHybridLoad:
         return int.from_bytes(digest, "big"), sum(count for _, count in words)
 
     def agree(self, operation: GuardedOperation) -> None:
+        """With a codebook scope the child-presence header first (as a step's), then each
+        child's agreement (its load header, its rank-local records)."""
+        if operation.binding is not None:
+            operation.header(OP_LOAD, [child_presence_mask(self.hybrid)], ["child_presence"])
         for prepared in (self.muon, self.backup):
             if prepared is not None:
                 prepared.agree(operation)

@@ -15,7 +15,7 @@ from gefen.dist import Channel
 from gefen.hybrid.adamw_participant import ChildParticipant, PreparedChildLoad
 from gefen.muon import GefenMuon
 
-__all__ = ["HybridInterface"]
+__all__ = ["HybridInterface", "child_presence_mask"]
 
 
 class HybridInterface(Protocol):
@@ -40,3 +40,9 @@ class HybridInterface(Protocol):
         self, muon: PreparedChildLoad | None, backup: PreparedChildLoad | None
     ) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
+
+
+def child_presence_mask(hybrid: HybridInterface) -> int:
+    """The first header's one word (docs/dist.md §9.3): bit 0 a Muon child, bit 1 a backup, so
+    members that would exchange different numbers of child headers fail at this one."""
+    return (1 if hybrid.muon is not None else 0) | (2 if hybrid.backup is not None else 0)

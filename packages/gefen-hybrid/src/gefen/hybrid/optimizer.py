@@ -40,6 +40,7 @@ from gefen.hybrid.checkpoint import (
     build_hybrid_state_dict,
     prepare_hybrid_load,
 )
+from gefen.hybrid.composite import child_presence_mask
 from gefen.hybrid.construction import HybridConfig, build_children, resolve_lists
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
 from gefen.hybrid.state_view import HybridState
@@ -300,8 +301,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         payloads = [child.step_header_payload() for _, child in self._participants]
         if not payloads or any(payload is None for payload in payloads):
             return None
-        mask = (1 if self.muon is not None else 0) | (2 if self.backup is not None else 0)
-        return mask, [payload for payload in payloads if payload is not None]
+        return child_presence_mask(self), [payload for payload in payloads if payload is not None]
 
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None:
         """docs/dist.md §9.3: the child-presence header first, then one header per child."""

@@ -187,8 +187,7 @@ class GefenMuon(OptimizerShell):
                 "normuon_v": ((rows, 1), torch.float32),
                 "normuon_step": ((), torch.int64),
             },
-            # (B, P) codes hold rows * cols values in row-major order: the width tells a
-            # (16, 8) momentum from an (8, 16) one (a transposed p.data, another checkpoint).
+            # (B, P) codes cannot tell a (16, 8) momentum from an (8, 16) one; the width can.
             recorded_ints={"matrix_cols": cols},
         )
 
@@ -459,7 +458,8 @@ class GefenMuon(OptimizerShell):
     def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None:
         """exact/distributed matrices hold the full logical state on every rank (a replica)."""
         modes = [parameter_mode(g, p) for g in groups for p in g["params"]]
-        return [i for i, mode in enumerate(modes) if mode in (EXACT, DISTRIBUTED)] or None
+        own = [i for i, mode in enumerate(modes) if mode in (EXACT, DISTRIBUTED)]
+        return own or super().replicated_positions(groups)
 
     def rank_local_checkpoint(self) -> bool:
         approx = any(group["sharded_mode"] == APPROX for group in self.param_groups)
