@@ -1,6 +1,9 @@
-"""One bad rank at world 3 and 4 (FSDP2 on a CPU mesh, uneven ``Shard(0)`` chunks at world 3):
-a raising closure, a missing gradient, and a stale GefenMuon replica on the last rank. Every
-rank must reject the operation with the same kind of error, change nothing, and then train
+"""One bad rank at world 3 and 4 (FSDP2 on a CPU mesh, uneven ``Shard(0)`` chunks at world 3,
+and HSDP on a 2 x 2 mesh at world 4), for Gefen, GefenMuon (``exact`` and ``approx``) and the hybrid with either backup: on the last
+rank a raising closure, a missing gradient, a NaN gradient, AMP controls that saw an overflow
+only there, a checkpoint with a NaN moment (in the hybrid's Muon half or its backup), and a
+stale replica (one step older). Every rank
+must reject the operation with the same kind of error, change nothing, and then train
 bit-identically to an untouched twin.
 
 Scenario functions are module-level so the spawned children load them by reference.
@@ -19,16 +22,24 @@ from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, time
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
 DEADLINE_S = 30.0  # the liveness bound of one rejected operation
-KINDS = ("gefen", "muon_exact", "muon_approx")
+KINDS = ("gefen", "muon_exact", "muon_approx", "hybrid_gefen", "hybrid_adamw")
+FAULTS = ("closure", "missing_grad", "nan_grad", "amp_found_inf", "bad_load", "stale")
+# Replicated state: GefenMuon exact and the hybrid's Muon half (exact by default); Gefen's and
+# approx state is rank-local, so a file of another step is its rank-local header's business.
+STALE_KINDS = ("muon_exact", "hybrid_gefen", "hybrid_adamw")
 
 
-def _model(world: int) -> nn.Module:
+def _model(world: int, hsdp: bool = False) -> nn.Module:
+    """FSDP2 over all ranks, or HSDP (``hsdp``: a (2, world / 2) mesh, replicated over its first
+    dimension and sharded over its second)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 4, bias=False))
-    mesh = init_device_mesh("cpu", (world,))
+    # The last bias is the hybrid's backup parameter (1-D); the weights go to Muon.
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 4))
+    shape = (2, world // 2) if hsdp else (world,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -40,10 +51,16 @@ def _optimizer(kind: str, model: nn.Module) -> Any:
         from gefen.core import Gefen
 
         return Gefen(model.parameters(), lr=0.01)
+    if kind.startswith("hybrid"):
+        from gefen.hybrid import GefenMuonHybrid
+
+        backup = kind.split("_")[1]
+        return GefenMuonHybrid(model, lr=0.02, ns_steps=1, fused=False, backup_optimizer=backup)
     from gefen.muon import GefenMuon
 
     mode = kind.split("_")[1]
-    return GefenMuon(model.parameters(), lr=0.02, ns_steps=1, fused=False, sharded_mode=mode)
+    matrices = [param for param in model.parameters() if param.ndim == 2]
+    return GefenMuon(matrices, lr=0.02, ns_steps=1, fused=False, sharded_mode=mode)
 
 
 def _backward(model: nn.Module, rank: int, seed: int) -> None:
@@ -58,9 +75,9 @@ def _snapshot(optimizer: Any) -> Any:
     return deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
 
 
-def _pair(kind: str, world: int, rank: int) -> tuple[Any, ...]:
+def _pair(kind: str, world: int, rank: int, hsdp: bool = False) -> tuple[Any, ...]:
     """The model and optimizer under test and an untouched twin, both two steps in."""
-    model, twin_model = _model(world), _model(world)
+    model, twin_model = _model(world, hsdp), _model(world, hsdp)
     optimizer, twin = _optimizer(kind, model), _optimizer(kind, twin_model)
     for seed in range(2):
         for net, opt in ((model, optimizer), (twin_model, twin)):
@@ -80,10 +97,49 @@ def _same(model: nn.Module, twin_model: nn.Module) -> bool:
     )
 
 
-def scenario_bad_rank(rank: int, world: int, kind: str, fault: str) -> dict[str, Any]:
+def _poison_first_moment(saved: Any) -> bool:
+    """Write NaN into the first non-empty floating tensor under a ``"state"`` key (depth first);
+    where this rank's shards are all empty (world 3 splits a 4-element bias 2/2/0), make the
+    first entry's counter (``step``, or ``period`` of a pristine entry) negative instead."""
+    states = list(_states(saved))
+    return any(_poison_any(state) for state in states) or any(_negate_counter(s) for s in states)
+
+
+def _states(saved: Any) -> Any:
+    if isinstance(saved, dict):
+        for key, value in saved.items():
+            if key == "state":
+                yield value
+            else:
+                yield from _states(value)
+
+
+def _poison_any(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if local.numel() > 0:
+            local.view(-1)[0] = float("nan")
+            return True
+    if isinstance(value, dict):
+        return any(_poison_any(item) for item in value.values())
+    return False
+
+
+def _negate_counter(state: Any) -> bool:
+    for entry in state.values():
+        for key in ("step", "period"):
+            if isinstance(entry, dict) and type(entry.get(key)) is int:
+                entry[key] = -1
+                return True
+    return False
+
+
+def scenario_bad_rank(
+    rank: int, world: int, kind: str, fault: str, hsdp: bool = False
+) -> dict[str, Any]:
     from gefen.dist.testing import snapshot_diff
 
-    model, optimizer, twin_model, twin = _pair(kind, world, rank)
+    model, optimizer, twin_model, twin = _pair(kind, world, rank, hsdp)
     last = rank == world - 1
     action: Any = optimizer.step
     repair: Any = None
@@ -96,14 +152,34 @@ def scenario_bad_rank(rank: int, world: int, kind: str, fault: str) -> dict[str,
         def action() -> Any:
             return optimizer.step(closure)
 
-    elif fault == "missing_grad":
-        weight = model[2].weight
+    elif fault in ("missing_grad", "nan_grad"):
+        # At world 3 the last rank's chunk of the (4, 16) weight is empty; its (16, 8) one is not.
+        weight = model[2].weight if fault == "missing_grad" else model[0].weight
         kept = weight.grad
-        if last:
+        if last and fault == "missing_grad":
             weight.grad = None
+        elif last:
+            weight.grad = kept.clone()
+            weight.grad.to_local().view(-1)[0] = float("nan")
 
         def repair() -> None:
             weight.grad = kept
+
+    elif fault == "amp_found_inf":
+        # What GradScaler.step sets on an optimizer with _step_supports_amp_scaling; a scaler
+        # that is not group-aware saw the overflow on the last rank only.
+        optimizer.grad_scale = torch.ones(1)
+        optimizer.found_inf = torch.full((1,), float(last))
+
+    elif fault in ("bad_load", "bad_backup_load"):
+        import copy
+
+        saved = copy.deepcopy(optimizer.state_dict())
+        if last:
+            assert _poison_first_moment(saved["backup"] if fault == "bad_backup_load" else saved)
+
+        def action() -> Any:
+            return optimizer.load_state_dict(saved)
 
     else:  # "stale": the last rank loads the file of one step earlier
         stale = optimizer.state_dict()
@@ -136,27 +212,51 @@ def scenario_bad_rank(rank: int, world: int, kind: str, fault: str) -> dict[str,
 
 
 CASES = [
-    (kind, fault)
-    for kind in KINDS
-    for fault in ("closure", "missing_grad", "stale")
-    if fault != "stale" or kind == "muon_exact"  # Gefen and approx state is rank-local
-]
+    (kind, fault) for kind in KINDS for fault in FAULTS if fault != "stale" or kind in STALE_KINDS
+] + [(kind, "bad_backup_load") for kind in KINDS if kind.startswith("hybrid")]
 
 
-def _scenarios() -> list[tuple[str, Any, tuple[Any, ...]]]:
-    return [(f"{kind}-{fault}", scenario_bad_rank, (kind, fault)) for kind, fault in CASES]
+def _scenarios(hsdp: bool) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    return [(f"{kind}-{fault}", scenario_bad_rank, (kind, fault, hsdp)) for kind, fault in CASES]
 
 
-@pytest.fixture(scope="module", params=[3, 4], ids=["world3", "world4"])
+@pytest.fixture(
+    scope="module", params=[(3, False), (4, False), (4, True)], ids=["world3", "world4", "hsdp2x2"]
+)
 def world(request: pytest.FixtureRequest) -> tuple[int, ScenarioWorld]:
-    size = int(request.param)
-    return size, run_scenarios(_scenarios(), size, rank_deadline_s=600.0, pg_timeout_s=180.0)
+    size, hsdp = request.param
+    scenarios = _scenarios(hsdp)
+    return size, run_scenarios(scenarios, size, rank_deadline_s=600.0, pg_timeout_s=180.0)
 
 
-EXPECTED = {
-    "missing_grad": "GroupAgreementError: {owner} step preflight: gradient presence differs",
-    "stale": "GroupAgreementError: GefenMuon load validation: replicated state differs",
+OWNERS = {"gefen": "Gefen", "muon_exact": "GefenMuon", "muon_approx": "GefenMuon"}
+VOTED = {  # fault -> (phase, what the last rank's own error says)
+    "closure": ("step preflight", "closure failed on the last rank"),
+    "nan_grad": ("step preflight", "has a non-finite gradient (NaN or Inf)"),
+    "bad_load": ("load validation", "checkpoint: entry"),
+    "bad_backup_load": ("load validation", "checkpoint: "),
 }
+AGREED = {  # fault -> the GroupAgreementError every rank raises
+    "missing_grad": "{owner} step preflight: gradient presence differs",
+    "amp_found_inf": "{owner} AMP found_inf differs across process-group members",
+    "stale": "{owner} load validation: replicated state differs",
+}
+
+
+def _expected(kind: str, fault: str, rank: int, size: int) -> tuple[str, str | None]:
+    """The error's prefix on ``rank``, and a text the last rank's own cause must contain."""
+    owner = OWNERS.get(kind, "GefenMuonHybrid")
+    if fault in VOTED:
+        phase, cause = VOTED[fault]
+        if rank == size - 1:
+            return f"DistributedStepError: {owner} {phase} failed on local rank {rank}: ", cause
+        return f"DistributedStepError: {owner} {phase} failed on another process-group member", None
+    if fault == "missing_grad" and kind != "gefen" and kind != "muon_approx":
+        # GefenMuon exact (alone or as the hybrid's Muon half) checks presence itself, naming
+        # the matrix; its check runs before the vote's presence words are compared.
+        named = "2.weight" if kind.startswith("hybrid") else "param_groups[0][1]"
+        return "GroupAgreementError: GefenMuon requires identical gradient presence", named
+    return "GroupAgreementError: " + AGREED[fault].format(owner=owner), None
 
 
 @pytest.mark.parametrize(("kind", "fault"), CASES)
@@ -164,24 +264,14 @@ def test_one_bad_rank_fails_every_rank_cleanly_and_training_stays_bit_identical(
     world: tuple[int, ScenarioWorld], kind: str, fault: str
 ) -> None:
     size, results = world
-    owner = "Gefen" if kind == "gefen" else "GefenMuon"
     outcomes = results[f"{kind}-{fault}"]
     assert len(outcomes) == size
     for rank, result in enumerate(outcomes):
         assert result["error"] is not None, f"rank {rank} accepted the bad operation"
-        if fault == "closure":
-            if rank == size - 1:
-                expected = f"DistributedStepError: {owner} step preflight failed on local rank"
-            else:
-                expected = (
-                    f"DistributedStepError: {owner} step preflight failed on another "
-                    "process-group member"
-                )
-        elif (kind, fault) == ("muon_exact", "missing_grad"):  # its own check names the matrix
-            expected = "GroupAgreementError: GefenMuon requires identical gradient presence"
-        else:
-            expected = EXPECTED[fault].format(owner=owner)
-        assert result["error"].startswith(expected), (rank, result["error"])
+        prefix, cause = _expected(kind, fault, rank, size)
+        assert result["error"].startswith(prefix), (rank, result["error"])
+        if cause is not None:
+            assert cause in result["error"], (rank, result["error"])
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["same"], f"rank {rank}: training after the rejection left the twin"
