@@ -1,10 +1,10 @@
 """One bad rank at world 3 and 4 (FSDP2 on a CPU mesh, uneven ``Shard(0)`` chunks at world 3,
-and HSDP on a 2 x 2 mesh at world 4), for Gefen, GefenMuon (``exact`` and ``approx``) and the hybrid with either backup: on the last
-rank a raising closure, a missing gradient, a NaN gradient, AMP controls that saw an overflow
-only there, a checkpoint with a NaN moment (in the hybrid's Muon half or its backup), and a
-stale replica (one step older). Every rank
-must reject the operation with the same kind of error, change nothing, and then train
-bit-identically to an untouched twin.
+and HSDP on a 2 x 2 mesh at world 4), for Gefen, GefenMuon (``exact`` and ``approx``) and the
+hybrid with either backup. On the last rank: a raising closure, a missing gradient (of either
+hybrid half), a NaN gradient, AMP controls that saw an overflow only there, a checkpoint with a
+NaN moment (in the hybrid's Muon half or its backup), and a stale replica (one step older).
+Every rank must reject the operation with the same kind of error, change nothing, and then
+train bit-identically to an untouched twin.
 
 Scenario functions are module-level so the spawned children load them by reference.
 """
@@ -152,11 +152,13 @@ def scenario_bad_rank(
         def action() -> Any:
             return optimizer.step(closure)
 
-    elif fault in ("missing_grad", "nan_grad"):
+    elif fault in ("missing_grad", "missing_backup_grad", "nan_grad"):
         # At world 3 the last rank's chunk of the (4, 16) weight is empty; its (16, 8) one is not.
-        weight = model[2].weight if fault == "missing_grad" else model[0].weight
+        weight = {"missing_grad": model[2].weight, "nan_grad": model[0].weight}.get(
+            fault, model[2].bias
+        )
         kept = weight.grad
-        if last and fault == "missing_grad":
+        if last and fault != "nan_grad":
             weight.grad = None
         elif last:
             weight.grad = kept.clone()
@@ -213,7 +215,12 @@ def scenario_bad_rank(
 
 CASES = [
     (kind, fault) for kind in KINDS for fault in FAULTS if fault != "stale" or kind in STALE_KINDS
-] + [(kind, "bad_backup_load") for kind in KINDS if kind.startswith("hybrid")]
+] + [
+    (kind, fault)
+    for kind in KINDS
+    if kind.startswith("hybrid")
+    for fault in ("missing_backup_grad", "bad_backup_load")
+]
 
 
 def _scenarios(hsdp: bool) -> list[tuple[str, Any, tuple[Any, ...]]]:
@@ -238,6 +245,7 @@ VOTED = {  # fault -> (phase, what the last rank's own error says)
 }
 AGREED = {  # fault -> the GroupAgreementError every rank raises
     "missing_grad": "{owner} step preflight: gradient presence differs",
+    "missing_backup_grad": "{owner} step preflight: gradient presence differs",
     "amp_found_inf": "{owner} AMP found_inf differs across process-group members",
     "stale": "{owner} load validation: replicated state differs",
 }
