@@ -11,7 +11,7 @@ import torch
 from gefen.core import Gefen
 
 GROUP_CASES = [
-    ({"lr": torch.tensor([0.1, 0.2])}, ValueError, "lr as a Tensor must be 1-element"),
+    ({"lr": torch.tensor([0.1, 0.2])}, ValueError, "Tensor lr must be 1-element"),
     ({"lr": -1.0}, ValueError, "Invalid learning rate"),
     ({"lr": math.nan}, ValueError, "Invalid learning rate"),
     ({"lr": math.inf}, ValueError, "Invalid learning rate"),
@@ -100,7 +100,7 @@ def test_group_overrides_optimizer_scope_option_rejected_and_group_scope_honoure
 def test_lr_zero_accepted_and_tensor_lr() -> None:
     Gefen(_params(), lr=0.0)
     Gefen(_params(), lr=torch.tensor(0.01))
-    with pytest.raises(ValueError, match="lr as a Tensor must be 1-element"):
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
         Gefen(_params(), lr=torch.tensor([0.01, 0.02]))
 
 
@@ -181,10 +181,13 @@ def test_non_leaf_rejected() -> None:
         Gefen([leaf * 2])
 
 
-def test_duplicate_tensor_rejected_in_one_group_and_across_groups(rejects) -> None:
+def test_duplicate_tensor_warned_in_one_group_and_rejected_across_groups(rejects) -> None:
+    """torch.optim's rules: a parameter repeated inside one group is a warning (torch's text),
+    one shared by two groups an error."""
     a, b = _params()
-    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
-        Gefen([a, a])
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        repeated = Gefen([a, a])
+    assert repeated.param_groups[0]["params"] == [a, a]
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
         Gefen([{"params": [a]}, {"params": [b, a]}])
     optimizer = Gefen([a])

@@ -117,7 +117,7 @@ GROUP_CASES: list[tuple[dict[str, Any], type[BaseException], str]] = [
     ({"lr": math.nan}, ValueError, "Invalid learning rate"),
     ({"lr": math.inf}, ValueError, "Invalid learning rate"),
     ({"lr": True}, ValueError, "Invalid learning rate"),
-    ({"lr": torch.tensor([0.1, 0.2])}, ValueError, "lr as a Tensor must be 1-element"),
+    ({"lr": torch.tensor([0.1, 0.2])}, ValueError, "Tensor lr must be 1-element"),
     ({"lr": torch.tensor(math.nan)}, ValueError, "Invalid learning rate"),
     ({"weight_decay": -0.1}, ValueError, "weight_decay"),
     ({"weight_decay": math.nan}, ValueError, "weight_decay"),

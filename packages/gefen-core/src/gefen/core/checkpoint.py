@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -134,16 +134,47 @@ def scope_extras(optimizer: ShellInterface) -> dict[str, Any] | None:
 def build_state_dict(
     optimizer: ShellInterface, entries: dict[int, dict[str, Any]]
 ) -> dict[str, Any]:
-    """torch's layout with ``params`` as flat indices, plus the extras everywhere."""
+    """torch's layout with ``params`` as flat indices, plus the extras everywhere. Entries of
+    ``optimizer.state`` under keys that are not parameters (a ``state_dict`` pre-hook's, say)
+    are kept as they are, as torch keeps them; a parameter's index wins over an equal key."""
+    indices = torch_indices(optimizer.param_groups)
+    flat = [index for group in indices for index in group]
+    state: dict[Any, Any] = {flat[position]: entry for position, entry in entries.items()}
+    # torch types the state by Tensor keys; user code may add others (torch keeps them too).
+    everything = cast(Mapping[object, Any], optimizer.state)
+    for key, value in everything.items():
+        if isinstance(key, Tensor):
+            continue
+        if key in state:
+            warnings.warn(
+                f"{optimizer.OWNER_NAME}.state_dict: the non-parameter state key {key!r} equals "
+                "a parameter index and is left out",
+                stacklevel=4,
+            )
+            continue
+        state[key] = value
     groups = []
-    start = 0
-    for group in optimizer.param_groups:
+    for group, group_indices in zip(optimizer.param_groups, indices, strict=True):
         packed = {key: value for key, value in group.items() if key != "params"}
-        packed["params"] = list(range(start, start + len(group["params"])))
+        packed["params"] = group_indices
         packed[EXTRAS_KEY] = _extras_copy(optimizer, entries)
-        start += len(group["params"])
         groups.append(packed)
-    return {"state": entries, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
+    return {"state": state, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
+
+
+def torch_indices(param_groups: list[dict[str, Any]]) -> list[list[int]]:
+    """Each group's ``params`` ids as torch's ``state_dict`` numbers them: the flat position,
+    except that a parameter listed more than once gets one index everywhere (torch's: its last
+    place in the first group that lists it)."""
+    mapping: dict[int, int] = {}
+    start, packed = 0, []
+    for group in param_groups:
+        params = group["params"]
+        fresh = {id(p): i for i, p in enumerate(params, start) if id(p) not in mapping}
+        mapping.update(fresh)
+        packed.append([mapping[id(p)] for p in params])
+        start += len(params)
+    return packed
 
 
 def _extras_copy(optimizer: ShellInterface, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -220,7 +251,11 @@ class _Loader:
 
     # structure
 
-    def structure(self) -> tuple[dict[Any, Any], list[dict[str, Any]], list[list[Any]]]:
+    def structure(
+        self,
+    ) -> tuple[dict[Any, Any], list[dict[str, Any]], list[list[Any]], dict[Any, Any]]:
+        """The parameters' saved entries, the groups, each group's ids, and the entries under
+        other keys (torch restores those as they are; an int key must be a listed id)."""
         sd = self.sd
         if not isinstance(sd, dict):
             raise self.reject(f"the state dict must be a dict, got {type(sd).__name__}")
@@ -243,12 +278,21 @@ class _Loader:
         flat = [ident for ids in identifiers for ident in ids]
         if any(not isinstance(i, (int, str)) or isinstance(i, bool) for i in flat):
             raise self.reject("parameter identifiers must be ints or FQN strings")
-        if len(set(flat)) != len(flat):
-            raise self.reject("parameter identifiers in 'params' must be unique")
-        unknown = [key for key in state if key not in set(flat)]
+        live_ids = [id(p) for group in live_groups for p in group["params"]]
+        if _first_places(flat) != _first_places(live_ids):
+            raise self.reject(
+                "parameter identifiers in 'params' must be unique, except where the live groups "
+                "list one parameter more than once (then at exactly those places)"
+            )
+        # A key of the identifiers' own kind (an int; a str where FQNs identify) that no group
+        # lists is a damaged or re-keyed entry; any other key is the state's own, as in torch.
+        listed, kinds = set(flat), {int} | {type(ident) for ident in flat}
+        unknown = [key for key in state if key not in listed and type(key) in kinds]
         if unknown:
             raise self.reject(f"'state' holds an entry for unknown parameter id {unknown[0]!r}")
-        return state, groups, identifiers
+        others = {key: value for key, value in state.items() if key not in listed}
+        entries = {key: value for key, value in state.items() if key in listed}
+        return entries, groups, identifiers, others
 
     # extras
 
@@ -430,14 +474,23 @@ def _saved_entries(
     return saved
 
 
+def _first_places(keys: list[Any]) -> list[int]:
+    """For each place, the first place holding an equal key (the repetition pattern)."""
+    first: dict[Any, int] = {}
+    return [first.setdefault(key, place) for place, key in enumerate(keys)]
+
+
 def _check_counters(
     loader: _Loader, entries: Mapping[int, Mapping[str, Any]], global_step: int
 ) -> None:
-    """No run produces an entry updated more often than the optimizer stepped (this also
-    rejects initialized entries under ``global_step = 0``)."""
+    """No run produces an entry updated more often than the optimizer stepped, times the
+    places that list its parameter (torch updates a repeated parameter once per place); this
+    also rejects initialized entries under ``global_step = 0``."""
+    places = _first_places([id(p) for g in loader.optimizer.param_groups for p in g["params"]])
+    listings = Counter(places)
     for position, entry in sorted(entries.items()):
-        step = entry.get("step")
-        if isinstance(step, int) and step > global_step:
+        step, listed = entry.get("step"), listings[places[position]]
+        if isinstance(step, int) and step > global_step * listed:
             raise loader.reject(
                 f"entry {position}: 'step' {step} exceeds global_step {global_step} (no run "
                 "updates a parameter more often than the optimizer steps)"
@@ -448,7 +501,7 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
     """Copy, run the pre-hooks on the copy, validate, and stage (docs/core.md §8.2 step 1)."""
     copied = copy_with_load_pre_hooks(optimizer, copy_containers(sd))
     loader = _Loader(optimizer, copied)
-    state, groups, identifiers = loader.structure()
+    state, groups, identifiers, others = loader.structure()
     extras = loader.extras(groups)
     staged_groups = [
         loader.group(index, saved, live)
@@ -465,6 +518,7 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
     flat_params = [param for group in staged_groups for param in group["params"]]
     for position, param in enumerate(flat_params):
         new_state[param] = entries[position]
+    new_state.update(others)
     device = flat_params[0].device if flat_params else torch.device("cpu")
     if codebook is not None:
         codebook = codebook.detach().to(device=device, copy=True)

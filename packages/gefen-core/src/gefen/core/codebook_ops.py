@@ -119,7 +119,7 @@ def publish(opt: ShellInterface, learning: StagedLearning) -> None:
     if learning.remap is not None:
         key = opt.CODEC_KEYS.codes
         for entry in opt.state.values():
-            if key in entry:
+            if isinstance(entry, dict) and key in entry:
                 remap_codes_(learning.remap, entry[key])
 
 

@@ -57,7 +57,7 @@ def _check_preconditions(optimizer: ShellInterface) -> None:
         optimizer.global_step == 0
         and optimizer.codebook is None
         and all(set(entry) <= {"period"} and entry.get("period", 0) == 0
-                for entry in optimizer.state.values())
+                for param, entry in optimizer.state.items() if isinstance(param, Tensor))
         and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
     )  # fmt: skip
     if not pristine:

@@ -3,6 +3,7 @@ normalising the group and checking its membership, before the shell publishes an
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,10 @@ if TYPE_CHECKING:
 __all__ = ["check_membership", "check_param_tensor", "checked_new_group", "normalised_group"]
 
 _DUPLICATE = "some parameters appear in more than one parameter group"
+_REPEATED = (  # torch's own words (torch.optim.Optimizer.add_param_group)
+    "optimizer contains a parameter group with duplicate parameters; in future, this will cause "
+    "an error; see github.com/pytorch/pytorch/issues/40967 for more information"
+)
 
 
 def check_param_tensor(param: object) -> Tensor:
@@ -68,11 +73,11 @@ def normalised_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]
 
 
 def check_membership(candidate: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
-    """A new group shares no parameter with itself or the registered groups, and is named iff
-    they are (torch's rules and messages)."""
+    """A new group shares no parameter with the registered groups, and is named iff they are
+    (torch's rules and messages); a parameter repeated inside the group is torch's warning."""
     params = candidate["params"]
     if len({id(p) for p in params}) != len(params):
-        raise ValueError(_DUPLICATE)
+        warnings.warn(_REPEATED, stacklevel=5)
     registered = {id(p) for group in param_groups for p in group["params"]}
     if any(id(p) in registered for p in params):
         raise ValueError(_DUPLICATE)

@@ -62,7 +62,7 @@ def check_lr(lr: object) -> None:
     """A float >= 0 (0 allowed), or a 1-element floating tensor holding one."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"lr as a Tensor must be 1-element, got {lr.numel()} elements")
+            raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
         if not lr.is_floating_point():
             raise ValueError(f"Invalid learning rate: a tensor lr must be floating, got {lr.dtype}")
         value = float(lr.detach().reshape(()).item())

@@ -414,10 +414,13 @@ def migrate_family(
     return migrated
 
 
-def entries_nbytes(entries: Iterable[Mapping[str, Any]]) -> int:
-    """Bytes of every tensor in ``entries`` (a DTensor counts its local shard)."""
+def entries_nbytes(entries: Iterable[object]) -> int:
+    """Bytes of every tensor in ``entries`` (a DTensor counts its local shard); values that are
+    not entries (a user's own ``optimizer.state`` key) count nothing."""
     total = 0
     for entry in entries:
+        if not isinstance(entry, Mapping):
+            continue
         for value in entry.values():
             if isinstance(value, Tensor):
                 total += local_tensor(value).numel() * value.element_size()
