@@ -528,9 +528,11 @@ def test_backup_substrings_with_two_lists_or_module_plus_list_is_type_error() ->
     )
 
 
-def test_lr_is_required_and_keyword_only() -> None:
+def test_lr_has_a_default_and_is_keyword_only() -> None:
+    """Like every other option (torch.optim.AdamW's and Muon's default, 1e-3)."""
     model = _tiny()
-    _construction_rejected(lambda: GefenMuonHybrid(model), TypeError, "lr", model)  # type: ignore[call-arg]
+    assert {group["lr"] for group in GefenMuonHybrid(model, **FAST).param_groups} == {1e-3}
+    assert {group["lr"] for group in GefenMuonHybrid.from_model(model).param_groups} == {1e-3}
     _construction_rejected(
         lambda: GefenMuonHybrid(model, None, 1e-2),  # type: ignore[misc]
         TypeError,
@@ -538,7 +540,7 @@ def test_lr_is_required_and_keyword_only() -> None:
         model,
     )
     with pytest.raises(TypeError):
-        GefenMuonHybrid.from_model(model)  # type: ignore[call-arg]
+        GefenMuonHybrid.from_model(model, 1e-2)  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
@@ -562,17 +564,6 @@ def test_lr_is_required_and_keyword_only() -> None:
 )
 def test_no_parameters_is_value_error(build: Callable[[], Any]) -> None:
     _construction_rejected(build, ValueError, NO_PARAMETERS)
-
-
-def test_add_param_group_is_not_implemented() -> None:
-    hybrid = GefenMuonHybrid(_tiny(), lr=1e-2, **FAST)
-    extra = _p(4, 4, seed=9)
-    _rejects(
-        hybrid,
-        lambda: hybrid.add_param_group({"params": [extra]}),
-        NotImplementedError,
-        "GefenMuonHybrid does not support add_param_group; build a new hybrid",
-    )
 
 
 @pytest.mark.parametrize("backend", ["gefen", "adamw"])

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gefen.core import Gefen
+from gefen.hybrid.group_form import group_params, is_group_form, split_groups
 from gefen.hybrid.routing import (
     DEFAULT_BACKUP_SUBSTRINGS,
     NamedParams,
@@ -25,7 +26,15 @@ from gefen.hybrid.routing import (
 )
 from gefen.muon import GefenMuon
 
-__all__ = ["HybridConfig", "build_children", "resolve_lists"]
+__all__ = [
+    "HybridConfig",
+    "backup_child",
+    "build_children",
+    "check_disjoint",
+    "muon_child",
+    "resolve_groups",
+    "resolve_lists",
+]
 
 _SUBSTRINGS_ONLY_FOR_ROUTING = (
     "backup_substrings is only valid when the first argument is a module or a (name, parameter) "
@@ -70,6 +79,7 @@ class HybridConfig:
     deterministic: bool
     check_finite: bool
     muon_lr_given: bool
+    backup_substrings: tuple[str, ...] = DEFAULT_BACKUP_SUBSTRINGS
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> HybridConfig:
@@ -95,6 +105,10 @@ class HybridConfig:
             if isinstance(options.get(name), str):
                 raise TypeError(f"{name} must be a sequence of strings, not a single str")
         resolved["no_decay_substrings"] = tuple(options["no_decay_substrings"])
+        substrings = options.get("backup_substrings")
+        resolved["backup_substrings"] = (
+            DEFAULT_BACKUP_SUBSTRINGS if substrings is None else tuple(substrings)
+        )
         names = {field.name for field in fields(cls)}
         return cls(**{name: resolved[name] for name in names})
 
@@ -113,6 +127,35 @@ def _check_backend_options(options: Mapping[str, Any], backend: str) -> None:
         raise ValueError(
             "backup_adamw_kwargs applies to backup_optimizer='adamw' only, not to 'gefen'"
         )
+
+
+def resolve_groups(
+    config: HybridConfig, first: Any, backup_list: Any, backup_substrings: Sequence[str] | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each child's param groups, from any of the four forms (nothing is built yet)."""
+    if not is_group_form(first):
+        muon, backup = resolve_lists(first, backup_list, backup_substrings)
+        muon_groups = [{"params": muon}] if muon else []
+        return muon_groups, (_backup_groups(config, backup) if backup else [])
+    if backup_list is not None:
+        raise TypeError("the param-group form takes no second list: mark groups with use_muon")
+    if config.no_decay_substrings:
+        raise ValueError(
+            "no_decay_substrings applies to the module and list forms; in the param-group form "
+            "give the no-decay parameters their own group with weight_decay=0"
+        )
+    muon_groups, backup_groups = split_groups(first, config.backup_substrings)
+    check_disjoint(muon_groups, backup_groups)
+    if not muon_groups and not backup_groups:
+        raise ValueError("GefenMuonHybrid received no parameters to optimize")
+    return muon_groups, backup_groups
+
+
+def check_disjoint(muon_groups: list[dict[str, Any]], backup_groups: list[dict[str, Any]]) -> None:
+    """No parameter in both children (each child's constructor checks its own groups)."""
+    muon_ids = {id(param) for param in group_params(muon_groups)}
+    if any(id(param) in muon_ids for param in group_params(backup_groups)):
+        raise ValueError("some parameters appear in more than one parameter group")
 
 
 def resolve_lists(
@@ -166,9 +209,10 @@ def _backup_groups(config: HybridConfig, pairs: NamedParams) -> list[dict[str, A
     return [group for group in groups if group["params"]]
 
 
-def _muon_child(config: HybridConfig, pairs: NamedParams) -> GefenMuon:
+def muon_child(config: HybridConfig, groups: list[dict[str, Any]]) -> GefenMuon:
+    """The Muon child over ``groups``, the hybrid's options as its defaults."""
     return GefenMuon(
-        [{"params": pairs}],
+        groups,
         lr=config.muon_lr,
         weight_decay=config.muon_weight_decay,
         momentum=config.momentum,
@@ -189,8 +233,8 @@ def _muon_child(config: HybridConfig, pairs: NamedParams) -> GefenMuon:
     )
 
 
-def _backup_child(config: HybridConfig, pairs: NamedParams) -> torch.optim.Optimizer:
-    groups = _backup_groups(config, pairs)
+def backup_child(config: HybridConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The backup child (Gefen or AdamW) over ``groups``, the hybrid's options as defaults."""
     if config.backup_optimizer == "adamw":
         return torch.optim.AdamW(
             groups,
@@ -217,7 +261,7 @@ def _backup_child(config: HybridConfig, pairs: NamedParams) -> torch.optim.Optim
 
 
 def build_children(
-    config: HybridConfig, muon_pairs: NamedParams, backup_pairs: NamedParams
+    config: HybridConfig, muon_groups: list[dict[str, Any]], backup_groups: list[dict[str, Any]]
 ) -> tuple[GefenMuon | None, torch.optim.Optimizer | None]:
     """Check 8 (the learning-rate warning), then step 9: Muon first, then the backup."""
     if config.adjust_lr_fn in (None, "original") and not config.muon_lr_given:
@@ -227,6 +271,6 @@ def build_children(
             UserWarning,
             stacklevel=3,
         )
-    muon = _muon_child(config, muon_pairs) if muon_pairs else None
-    backup = _backup_child(config, backup_pairs) if backup_pairs else None
+    muon = muon_child(config, muon_groups) if muon_groups else None
+    backup = backup_child(config, backup_groups) if backup_groups else None
     return muon, backup

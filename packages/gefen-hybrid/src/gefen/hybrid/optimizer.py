@@ -41,8 +41,16 @@ from gefen.hybrid.checkpoint import (
     prepare_hybrid_load,
 )
 from gefen.hybrid.composite import child_presence_mask
-from gefen.hybrid.construction import HybridConfig, build_children, resolve_lists
+from gefen.hybrid.construction import (
+    HybridConfig,
+    backup_child,
+    build_children,
+    check_disjoint,
+    muon_child,
+    resolve_groups,
+)
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
+from gefen.hybrid.group_form import split_groups
 from gefen.hybrid.state_view import HybridState
 from gefen.muon import GefenMuon
 
@@ -66,6 +74,10 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     the hybrid. ``lr`` is the backup's; ``muon_lr`` defaults to it with
     ``adjust_lr_fn="match_rms_adamw"`` so AdamW learning rates and weight decay carry over.
     The checkpoint nests the children's: ``{"muon", "backup", "backup_optimizer"}``.
+
+    ``muon_named_params`` is a module, ``(name, parameter)`` pairs, the Muon list of the
+    two-list form (``backup_named_params`` the other), or torch-style param-group dicts with a
+    ``use_muon`` flag (``gefen.hybrid.group_form``); ``add_param_group`` routes as they do.
     """
 
     OWNER_NAME: ClassVar[str] = "GefenMuonHybrid"
@@ -75,6 +87,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         "backup_optimizer",
         "_check_finite",
         "_commit_failed",
+        "_config",
         *HOOK_REGISTRIES,
     )
 
@@ -83,7 +96,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         muon_named_params: Any,
         backup_named_params: Any = None,
         *,
-        lr: float,
+        lr: float = 1e-3,
         muon_lr: float | None = None,
         backup_lr: float | None = None,
         weight_decay: float = 0.0,
@@ -116,10 +129,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     ) -> None:
         options = dict(locals())
         config = HybridConfig.from_options(options)
-        muon_pairs, backup_pairs = resolve_lists(
-            muon_named_params, backup_named_params, backup_substrings
+        muon_groups, backup_groups = resolve_groups(
+            config, muon_named_params, backup_named_params, backup_substrings
         )
-        muon, backup = build_children(config, muon_pairs, backup_pairs)
+        muon, backup = build_children(config, muon_groups, backup_groups)
+        self._config = config
         self.muon: GefenMuon | None = muon
         self.backup: torch.optim.Optimizer | None = backup
         self.backup_optimizer = backup_optimizer
@@ -130,7 +144,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     @classmethod
     def from_model(
-        cls, model: nn.Module, *, lr: float, backup_substrings: Sequence[str] | None = None,
+        cls, model: nn.Module, *, lr: float = 1e-3, backup_substrings: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> GefenMuonHybrid:  # fmt: skip
         """Route ``model``'s trainable parameters (module form) and build the hybrid."""
@@ -205,9 +219,42 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             child.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "GefenMuonHybrid does not support add_param_group; build a new hybrid"
+        """torch's ``add_param_group``: the group is split as the constructor splits one
+        (``use_muon``, else the routing rules) and each part joins its child (a child the
+        hybrid lacks is built); all or nothing."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        if self.finalized:
+            raise RuntimeError(f"{self.OWNER_NAME} is finalized by post_sharding: "
+                               "add_param_group is refused")  # fmt: skip
+        config: HybridConfig = self._config
+        parts = split_groups(
+            [param_group], config.backup_substrings, first_index=len(self.param_groups)
         )
+        check_disjoint([{"params": list(self._registry)}, *parts[0]], parts[1])
+        check_disjoint([{"params": list(self._registry)}], parts[0])
+        added: list[tuple[str, torch.optim.Optimizer | None]] = []
+        try:
+            for role, groups, build in (
+                ("muon", parts[0], muon_child),
+                ("backup", parts[1], backup_child),
+            ):
+                child = getattr(self, role)
+                if groups and child is None:
+                    setattr(self, role, build(config, groups))
+                    added.append((role, None))
+                elif groups:
+                    child.add_param_group(groups[0])
+                    added.append((role, child))
+        except BaseException:
+            for role, child in reversed(added):
+                if child is None:
+                    setattr(self, role, None)
+                else:
+                    for param in child.param_groups.pop()["params"]:
+                        child.state.pop(param, None)
+            raise
+        self.rebuild_registry()
 
     def __repr__(self) -> str:
         muon = 0 if self.muon is None else sum(len(g["params"]) for g in self.muon.param_groups)

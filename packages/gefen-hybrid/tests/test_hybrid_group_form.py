@@ -1,0 +1,230 @@
+"""The hybrid built like any torch optimizer: param-group dicts with a ``use_muon`` flag (the
+``MuonWithAuxAdam`` form), groups routed per parameter when the flag is absent, a default
+``lr``, and ``add_param_group`` (docs/hybrid.md §3). Every rejection names the rule and leaves
+the hybrid unchanged; a hybrid that refused a group still trains."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gefen.core.testing_conventions import CHECKS, Factory
+from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.testing import OneHiddenLM
+from gefen.hybrid.testing import assert_same_hybrid as _assert_same
+from gefen.hybrid.testing import hybrid_snapshot as _snapshot
+
+FAST = {"fused": False, "ns_steps": 1}
+BACKENDS = ["gefen", "adamw"]
+
+
+def _model(seed: int = 0) -> OneHiddenLM:
+    torch.manual_seed(seed)
+    return OneHiddenLM()
+
+
+def _split(model: OneHiddenLM) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    hidden = [model.hidden.weight]
+    rest = [p for p in model.parameters() if p is not model.hidden.weight]
+    return hidden, rest
+
+
+def _steps(hybrid: GefenMuonHybrid, model: nn.Module, count: int = 3) -> None:
+    for seed in range(count):
+        tokens = torch.randint(16, (6,), generator=torch.Generator().manual_seed(seed))
+        hybrid.zero_grad()
+        model(tokens).square().mean().backward()
+        hybrid.step()
+
+
+def _rejected(hybrid: GefenMuonHybrid, action: Callable[[], Any], error: type, text: str) -> None:
+    before = _snapshot(hybrid)
+    groups = [(id(group), len(group["params"])) for group in hybrid.param_groups]
+    with pytest.raises(error, match=re.escape(text)):
+        action()
+    _assert_same(before, _snapshot(hybrid))
+    assert [(id(group), len(group["params"])) for group in hybrid.param_groups] == groups
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flagged_groups_train_exactly_as_the_two_list_form(backend: str) -> None:
+    """The group form is a spelling of the same optimizer: children, options and every step
+    are those of the explicit two-list form."""
+    grouped_model, listed_model = _model(), _model()
+    hidden, rest = _split(grouped_model)
+    grouped = GefenMuonHybrid(
+        [{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}],
+        lr=0.01,
+        backup_optimizer=backend,
+        **FAST,
+    )
+    names = dict(listed_model.named_parameters())
+    listed = GefenMuonHybrid(
+        [("hidden.weight", names["hidden.weight"])],
+        [(n, p) for n, p in names.items() if n != "hidden.weight"],
+        lr=0.01,
+        backup_optimizer=backend,
+        **FAST,
+    )
+    assert [group["use_muon"] for group in grouped.param_groups] == [True, False]
+    _steps(grouped, grouped_model)
+    _steps(listed, listed_model)
+    for a, b in zip(grouped_model.parameters(), listed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_group_keeps_its_own_options_under_the_childs_names(backend: str) -> None:
+    model = _model()
+    hidden, rest = _split(model)
+    hybrid = GefenMuonHybrid(
+        [
+            {"params": hidden, "use_muon": True, "momentum": 0.9, "lr": 0.05},
+            {"params": rest, "use_muon": False, "lr": 3e-4, "betas": (0.8, 0.99)},
+        ],
+        lr=0.02,
+        backup_optimizer=backend,
+        **FAST,
+    )
+    muon_group, backup_group = hybrid.param_groups
+    assert muon_group["params"] == hidden
+    assert (muon_group["lr"], muon_group["momentum"]) == (0.05, 0.9)
+    assert backup_group["params"] == rest
+    assert (backup_group["lr"], tuple(backup_group["betas"])) == (3e-4, (0.8, 0.99))
+    _steps(hybrid, model, 2)
+
+
+def test_a_group_without_the_flag_is_routed_per_parameter() -> None:
+    """Named pairs by the routing rules ("embed" and "lm_head" go to the backup), bare tensors by
+    shape (2-D to Muon); each part keeps the group's options and records where it went."""
+    model = _model()
+    named = GefenMuonHybrid([{"params": list(model.named_parameters()), "lr": 0.03}], **FAST)
+    assert named.muon is not None
+    assert named.backup is not None
+    assert named.muon.param_groups[0]["param_names"] == ["hidden.weight"]
+    assert {"embed.weight", "lm_head.weight"} <= set(named.backup.param_groups[0]["param_names"])
+    assert [(g["use_muon"], g["lr"]) for g in named.param_groups] == [(True, 0.03), (False, 0.03)]
+    matrix, vector = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    bare = GefenMuonHybrid([{"params": [matrix, vector]}], **FAST)
+    assert bare.muon is not None
+    assert bare.backup is not None
+    assert bare.muon.param_groups[0]["params"] == [matrix]
+    assert bare.backup.param_groups[0]["params"] == [vector]
+    _steps(named, model, 1)
+
+
+@pytest.mark.parametrize(
+    ("groups", "error", "text"),
+    [
+        ([{"params": [], "use_muon": 1}], TypeError, "param group 0: 'use_muon' must be a bool"),
+        ([{"lr": 0.1}], ValueError, "param group 0 has no 'params' key"),
+        ([{"params": {nn.Parameter(torch.ones(2))}}], TypeError, "ordered collections"),
+    ],
+)
+def test_malformed_groups_are_refused_before_any_child_exists(
+    groups: list[dict[str, Any]], error: type, text: str
+) -> None:
+    with pytest.raises(error, match=re.escape(text)):
+        GefenMuonHybrid(groups, **FAST)
+
+
+def test_one_parameter_in_both_children_is_refused() -> None:
+    model = _model()
+    hidden, rest = _split(model)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        GefenMuonHybrid(
+            [{"params": hidden, "use_muon": True}, {"params": hidden + rest, "use_muon": False}],
+            **FAST,
+        )
+
+
+def test_the_group_form_takes_no_second_list_and_no_no_decay_substrings() -> None:
+    model = _model()
+    hidden, rest = _split(model)
+    groups = [{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}]
+    with pytest.raises(TypeError, match="takes no second list"):
+        GefenMuonHybrid(groups, [("x", rest[0])], **FAST)
+    with pytest.raises(ValueError, match="give the no-decay parameters their own group"):
+        GefenMuonHybrid(groups, no_decay_substrings=("bias",), **FAST)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_add_param_group_routes_like_the_constructor(backend: str) -> None:
+    model = _model()
+    hybrid = GefenMuonHybrid(model, lr=0.01, backup_optimizer=backend, **FAST)
+    _steps(hybrid, model, 1)
+    extra = nn.Linear(8, 8)
+    hybrid.add_param_group({"params": [("extra.weight", extra.weight)], "lr": 0.05})
+    hybrid.add_param_group({"params": [("extra.bias", extra.bias)], "use_muon": False})
+    assert hybrid.muon is not None
+    assert hybrid.backup is not None
+    assert hybrid.muon.param_groups[-1]["params"] == [extra.weight]
+    assert hybrid.muon.param_groups[-1]["lr"] == 0.05
+    assert hybrid.backup.param_groups[-1]["params"] == [extra.bias]
+    assert hybrid.owner_of(extra.weight) is hybrid.muon
+    assert hybrid.owner_of(extra.bias) is hybrid.backup
+    before = [extra.weight.detach().clone(), extra.bias.detach().clone()]
+    _steps(hybrid, model, 1)  # the new parameters have no gradient: skipped as in torch
+    extra.weight.grad, extra.bias.grad = torch.ones(8, 8), torch.ones(8)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    hybrid.step()
+    assert not torch.equal(before[0], extra.weight)
+    assert not torch.equal(before[1], extra.bias)
+
+
+def test_add_param_group_builds_a_child_the_hybrid_lacks() -> None:
+    matrix = nn.Parameter(torch.randn(4, 4))
+    hybrid = GefenMuonHybrid([{"params": [matrix], "use_muon": True}], **FAST)
+    assert hybrid.backup is None
+    bias = nn.Parameter(torch.randn(4))
+    hybrid.add_param_group({"params": [bias], "use_muon": False, "lr": 1e-2})
+    assert hybrid.backup is not None
+    assert hybrid.backup.param_groups[0]["params"] == [bias]
+    assert [child for _, child in hybrid.participants][-1] is hybrid.backup
+    matrix.grad, bias.grad = torch.ones(4, 4), torch.ones(4)
+    before = bias.detach().clone()
+    hybrid.step()
+    assert not torch.equal(before, bias)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_group_changes_nothing_and_the_hybrid_still_trains(backend: str) -> None:
+    model = _model()
+    hybrid = GefenMuonHybrid(model, lr=0.01, backup_optimizer=backend, **FAST)
+    _steps(hybrid, model, 2)
+    extra = nn.Linear(8, 8)
+    present = model.hidden.weight
+    cases: list[tuple[Any, type, str]] = [
+        ([extra.weight], TypeError, "param_group must be a dict"),
+        ({"params": [("hidden.weight", present)]}, ValueError, "more than one parameter group"),
+        ({"params": [("x", extra.weight)], "use_muon": "yes"}, TypeError, "must be a bool"),
+        (
+            {"params": [("extra.weight", extra.weight), ("extra.bias", extra.bias)], "lr": -1.0},
+            ValueError,
+            "Invalid learning rate",
+        ),
+        # The Muon part is valid and joins the Muon child first; the backup part is not, so the
+        # Muon part is taken back out.
+        (
+            {"params": [("extra.weight", extra.weight), ("doubled", extra.bias * 2)]},
+            ValueError,
+            "can't optimize a non-leaf Tensor",
+        ),
+    ]
+    for group, error, text in cases:
+        _rejected(hybrid, lambda group=group: hybrid.add_param_group(group), error, text)
+    assert hybrid.owner_of(extra.weight) is None
+    _steps(hybrid, model, 1)
+
+
+def test_the_tensor_lr_convention_holds_for_the_hybrid() -> None:
+    """The shared convention checks that the hybrid meets today (the others need its state to
+    take user keys and repeated parameters: open work)."""
+    factory = Factory("GefenMuonHybrid", lambda ps, **kw: GefenMuonHybrid([{"params": ps}], **kw))
+    CHECKS["tensor_lr_must_be_one_element"](factory)
