@@ -1,7 +1,7 @@
-"""The checkpoint transaction of the shell (docs/core.md §8.1–§8.3).
+"""The load transaction of the shell's checkpoints (docs/core.md §8.2–§8.3).
 
-``build_state_dict`` emits torch's layout plus the ``"gefen"`` extras, mirrored into every
-group. ``prepare_load`` copies the caller's containers, runs the load pre-hooks on the copy,
+``gefen.core.saving`` writes them (torch's layout plus the ``"gefen"`` extras, mirrored into
+every group). ``prepare_load`` copies the caller's containers, runs the load pre-hooks on the copy,
 validates everything and stages the complete new state on shadow objects; ``PreparedLoad``
 publishes it without any step that can throw. Every rejection is a ValueError
 ``"{OWNER_NAME} checkpoint: <rule>"``.
@@ -9,17 +9,17 @@ publishes it without any step that can throw. Every rejection is a ValueError
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gefen.core.replicas import NO_REPLICA, replica_words
+from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
 from gefen.core.transaction import copy_containers
@@ -31,7 +31,6 @@ from gefen.dist import (
     ProcessGroupBinding,
     check_rank_local_header,
     check_rank_local_records,
-    rank_local_header,
 )
 from gefen.dist.codebook_scope import LOAD_HEADER_WORD_NAMES, OP_LOAD
 from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_hooks
@@ -39,25 +38,8 @@ from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_h
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
 
-__all__ = [
-    "EXTRAS_KEY",
-    "FORMAT_VERSION",
-    "PreparedLoad",
-    "build_state_dict",
-    "check_checkpoint_binding",
-    "prepare_load",
-]
+__all__ = ["PreparedLoad", "check_checkpoint_binding", "prepare_load"]
 
-EXTRAS_KEY = "gefen"
-FORMAT_VERSION = 1
-BASE_EXTRAS = (
-    "format_version",
-    "global_step",
-    "codebook",
-    "deterministic",
-    "momentum_codec",
-    "initialized_params",
-)
 # Group options the live optimizer always keeps, whatever the checkpoint says (§8.3).
 LIVE_OPTIONS = ("fused", "check_finite", "codebook_refresh_every", "stochastic_round")
 
@@ -91,97 +73,6 @@ def check_checkpoint_binding(
 def _reject(owner: str, rule: str) -> ValueError:
     """A load rejection in the shared loader's one format."""
     return ValueError(f"{owner} checkpoint: {rule}")
-
-
-# -- save ---------------------------------------------------------------------------------------
-
-
-def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
-    """A fresh extras dict (§8.1): never a live object (the codebook is cloned)."""
-    codebook = optimizer.codebook
-    initialized = [
-        index
-        for index, _, param in optimizer.indexed_params()
-        if is_initialized(optimizer.state.get(param, {}))
-    ]
-    extras: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "global_step": optimizer.global_step,
-        "codebook": None if codebook is None else codebook.detach().clone(),
-        "deterministic": optimizer.defaults["deterministic"],
-        "momentum_codec": optimizer.defaults["momentum_codec"],
-        "initialized_params": initialized,
-    }
-    scope = scope_extras(optimizer)
-    if scope is not None:
-        extras["scope"] = scope
-    if optimizer.rank_local_checkpoint():
-        extras["rank_local"] = rank_local_header(optimizer.step_failure_scope())
-    return extras
-
-
-def scope_extras(optimizer: ShellInterface) -> dict[str, Any] | None:
-    """The codebook scope's identity and refresh policy (never a runtime handle), or None."""
-    finalized = optimizer.finalized
-    if finalized is None or finalized.binding is None:
-        return None
-    return {
-        "identity": finalized.binding.identity.to_primitive(),
-        "refresh_every": int(optimizer.defaults.get("codebook_refresh_every", 0)),
-    }
-
-
-def build_state_dict(
-    optimizer: ShellInterface, entries: dict[int, dict[str, Any]]
-) -> dict[str, Any]:
-    """torch's layout with ``params`` as flat indices, plus the extras everywhere. Entries of
-    ``optimizer.state`` under keys that are not parameters (a ``state_dict`` pre-hook's, say)
-    are kept as they are, as torch keeps them; a parameter's index wins over an equal key."""
-    indices = torch_indices(optimizer.param_groups)
-    flat = [index for group in indices for index in group]
-    state: dict[Any, Any] = {flat[position]: entry for position, entry in entries.items()}
-    # torch types the state by Tensor keys; user code may add others (torch keeps them too).
-    everything = cast(Mapping[object, Any], optimizer.state)
-    for key, value in everything.items():
-        if isinstance(key, Tensor):
-            continue
-        if key in state:
-            warnings.warn(
-                f"{optimizer.OWNER_NAME}.state_dict: the non-parameter state key {key!r} equals "
-                "a parameter index and is left out",
-                stacklevel=4,
-            )
-            continue
-        state[key] = value
-    groups = []
-    for group, group_indices in zip(optimizer.param_groups, indices, strict=True):
-        packed = {key: value for key, value in group.items() if key != "params"}
-        packed["params"] = group_indices
-        packed[EXTRAS_KEY] = _extras_copy(optimizer, entries)
-        groups.append(packed)
-    return {"state": state, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
-
-
-def torch_indices(param_groups: list[dict[str, Any]]) -> list[list[int]]:
-    """Each group's ``params`` ids as torch's ``state_dict`` numbers them: the flat position,
-    except that a parameter listed more than once gets one index everywhere (torch's: its last
-    place in the first group that lists it)."""
-    mapping: dict[int, int] = {}
-    start, packed = 0, []
-    for group in param_groups:
-        params = group["params"]
-        fresh = {id(p): i for i, p in enumerate(params, start) if id(p) not in mapping}
-        mapping.update(fresh)
-        packed.append([mapping[id(p)] for p in params])
-        start += len(params)
-    return packed
-
-
-def _extras_copy(optimizer: ShellInterface, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """One independent copy of the extras, with the subclass's optional keys."""
-    extras = live_extras(optimizer)
-    extras.update(copy.deepcopy(optimizer.checkpoint_extras(entries)))
-    return extras
 
 
 # -- load ---------------------------------------------------------------------------------------

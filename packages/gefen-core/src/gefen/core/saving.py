@@ -1,0 +1,131 @@
+"""Saving the shell's state (docs/core.md §8.1): torch's layout plus the ``"gefen"`` extras.
+
+``build_state_dict`` numbers the parameters as torch's ``state_dict`` does (``torch_indices``),
+keeps ``optimizer.state`` entries under non-parameter keys, and mirrors one fresh copy of the
+extras (``live_extras`` and the subclass's ``checkpoint_extras``) into the top level and every
+group. Nothing returned is a live object.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from torch import Tensor
+
+from gefen.core.state import is_initialized
+from gefen.dist import rank_local_header
+
+if TYPE_CHECKING:
+    from gefen.core.participant import ShellInterface
+
+__all__ = [
+    "BASE_EXTRAS",
+    "EXTRAS_KEY",
+    "FORMAT_VERSION",
+    "build_state_dict",
+    "live_extras",
+    "scope_extras",
+    "torch_indices",
+]
+
+EXTRAS_KEY = "gefen"
+FORMAT_VERSION = 1
+BASE_EXTRAS = (
+    "format_version",
+    "global_step",
+    "codebook",
+    "deterministic",
+    "momentum_codec",
+    "initialized_params",
+)
+
+
+def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
+    """A fresh extras dict (§8.1): never a live object (the codebook is cloned)."""
+    codebook = optimizer.codebook
+    initialized = [
+        index
+        for index, _, param in optimizer.indexed_params()
+        if is_initialized(optimizer.state.get(param, {}))
+    ]
+    extras: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "global_step": optimizer.global_step,
+        "codebook": None if codebook is None else codebook.detach().clone(),
+        "deterministic": optimizer.defaults["deterministic"],
+        "momentum_codec": optimizer.defaults["momentum_codec"],
+        "initialized_params": initialized,
+    }
+    scope = scope_extras(optimizer)
+    if scope is not None:
+        extras["scope"] = scope
+    if optimizer.rank_local_checkpoint():
+        extras["rank_local"] = rank_local_header(optimizer.step_failure_scope())
+    return extras
+
+
+def scope_extras(optimizer: ShellInterface) -> dict[str, Any] | None:
+    """The codebook scope's identity and refresh policy (never a runtime handle), or None."""
+    finalized = optimizer.finalized
+    if finalized is None or finalized.binding is None:
+        return None
+    return {
+        "identity": finalized.binding.identity.to_primitive(),
+        "refresh_every": int(optimizer.defaults.get("codebook_refresh_every", 0)),
+    }
+
+
+def build_state_dict(
+    optimizer: ShellInterface, entries: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    """torch's layout with ``params`` as flat indices, plus the extras everywhere. Entries of
+    ``optimizer.state`` under keys that are not parameters (a ``state_dict`` pre-hook's, say)
+    are kept as they are, as torch keeps them; a parameter's index wins over an equal key."""
+    indices = torch_indices(optimizer.param_groups)
+    flat = [index for group in indices for index in group]
+    state: dict[Any, Any] = {flat[position]: entry for position, entry in entries.items()}
+    # torch types the state by Tensor keys; user code may add others (torch keeps them too).
+    everything = cast(Mapping[object, Any], optimizer.state)
+    for key, value in everything.items():
+        if isinstance(key, Tensor):
+            continue
+        if key in state:
+            warnings.warn(
+                f"{optimizer.OWNER_NAME}.state_dict: the non-parameter state key {key!r} equals "
+                "a parameter index and is left out",
+                stacklevel=4,
+            )
+            continue
+        state[key] = value
+    groups = []
+    for group, group_indices in zip(optimizer.param_groups, indices, strict=True):
+        packed = {key: value for key, value in group.items() if key != "params"}
+        packed["params"] = group_indices
+        packed[EXTRAS_KEY] = _extras_copy(optimizer, entries)
+        groups.append(packed)
+    return {"state": state, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
+
+
+def torch_indices(param_groups: list[dict[str, Any]]) -> list[list[int]]:
+    """Each group's ``params`` ids as torch's ``state_dict`` numbers them: the flat position,
+    except that a parameter listed more than once gets one index everywhere (torch's: its last
+    place in the first group that lists it)."""
+    mapping: dict[int, int] = {}
+    start, packed = 0, []
+    for group in param_groups:
+        params = group["params"]
+        fresh = {id(p): i for i, p in enumerate(params, start) if id(p) not in mapping}
+        mapping.update(fresh)
+        packed.append([mapping[id(p)] for p in params])
+        start += len(params)
+    return packed
+
+
+def _extras_copy(optimizer: ShellInterface, entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One independent copy of the extras, with the subclass's optional keys."""
+    extras = live_extras(optimizer)
+    extras.update(copy.deepcopy(optimizer.checkpoint_extras(entries)))
+    return extras
