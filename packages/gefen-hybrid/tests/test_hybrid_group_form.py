@@ -118,6 +118,20 @@ def test_a_group_without_the_flag_is_routed_per_parameter() -> None:
     _steps(named, model, 1)
 
 
+def test_a_flagless_group_gives_each_part_only_the_keys_its_child_reads() -> None:
+    """A backup group's ``momentum`` is its beta1 (a momentum-cycling scheduler's key), so a
+    flagless group's Muon ``momentum`` stays with the Muon part and its ``betas`` with the
+    backup part."""
+    matrix, vector = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    group = {"params": [matrix, vector], "momentum": 0.9, "betas": (0.8, 0.99)}
+    hybrid = GefenMuonHybrid([group], **FAST)
+    muon_group, backup_group = hybrid.param_groups
+    assert muon_group["momentum"] == 0.9
+    assert "betas" not in muon_group
+    assert tuple(backup_group["betas"]) == (0.8, 0.99)
+    assert "momentum" not in backup_group
+
+
 @pytest.mark.parametrize(
     ("groups", "error", "text"),
     [

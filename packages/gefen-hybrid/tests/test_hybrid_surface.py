@@ -547,7 +547,11 @@ def test_every_state_write_is_type_error_and_changes_nothing(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_one_cycle_cycles_muon_momentum_only_and_round_trips(backend: str) -> None:
+def test_one_cycle_cycles_muon_momentum_and_the_backups_beta1_and_round_trips(
+    backend: str,
+) -> None:
+    """As torch's Muon and AdamW under one scheduler each: the scheduler writes ``momentum``
+    into every group (the hybrid's defaults are Muon's); the backup reads it as beta1."""
     model, hybrid = _hybrid(backend, betas=(0.9, 0.99))
     muon, backup = hybrid.muon, hybrid.backup
     assert muon is not None
@@ -570,16 +574,15 @@ def test_one_cycle_cycles_muon_momentum_only_and_round_trips(backend: str) -> No
         assert all(not torch.equal(b, p.detach()) for b, p in zip(before, params, strict=True))
         assert all(bool(torch.isfinite(p).all()) for p in params)
         momenta.append(muon.param_groups[0]["momentum"])
-        assert backup.param_groups[0]["betas"] == (0.9, 0.99)
+        # The step just taken used the momentum the scheduler wrote before it, as beta1.
+        assert backup.param_groups[0]["betas"] == (momenta[-2], 0.99)
     assert momenta[0] == pytest.approx(0.95)
     # It cycles: down towards base_momentum while the lr warms up, then back up.
     low = momenta.index(min(momenta))
     assert min(momenta) < 0.85
     assert 0 < low < len(momenta) - 1
     assert momenta[-1] > momenta[low]
-    # The scheduler also wrote a momentum key into the backup's group, which the backup ignores.
     assert "momentum" in backup.param_groups[0]
-    assert backup.param_groups[0]["betas"] == (0.9, 0.99)
     # The checkpoint round-trips, groups' unknown keys included, and resumes identically.
     saved = _round_trip(hybrid.state_dict())
     twin_model = _tiny(99)
@@ -590,7 +593,7 @@ def test_one_cycle_cycles_muon_momentum_only_and_round_trips(backend: str) -> No
     assert twin.backup is not None
     assert twin.muon.param_groups[0]["momentum"] == muon.param_groups[0]["momentum"]
     assert twin.backup.param_groups[0]["momentum"] == backup.param_groups[0]["momentum"]
-    assert twin.backup.param_groups[0]["betas"] == (0.9, 0.99)
+    assert twin.backup.param_groups[0]["betas"] == backup.param_groups[0]["betas"]
     for ours, theirs in zip(hybrid.param_groups, twin.param_groups, strict=True):
         assert {k: v for k, v in ours.items() if k != "params"} == {
             k: v for k, v in theirs.items() if k != "params"
@@ -601,6 +604,49 @@ def test_one_cycle_cycles_muon_momentum_only_and_round_trips(backend: str) -> No
     twin.step()
     for ours, theirs in zip(_params(hybrid), _params(twin), strict=True):
         assert torch.equal(ours.detach(), theirs.detach())
+
+
+def test_the_adamw_backup_under_the_hybrids_scheduler_matches_adamw_under_its_own() -> None:
+    """torch.optim.AdamW with its own OneCycleLR is the reference: the hybrid's AdamW backup,
+    driven by one OneCycleLR over the whole hybrid, takes the same beta1 at every step and the
+    same parameters."""
+    _, hybrid = _hybrid("adamw", betas=(0.9, 0.99))
+    assert hybrid.backup is not None
+    backup_params = list(hybrid.backup.param_groups[0]["params"])
+    twins = [nn.Parameter(p.detach().clone()) for p in backup_params]
+    reference = torch.optim.AdamW(twins, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+    options = {"max_lr": 1e-2, "total_steps": 8, "base_momentum": 0.8, "max_momentum": 0.95}
+    scheduler = OneCycleLR(hybrid, cycle_momentum=True, **options)
+    reference_scheduler = OneCycleLR(reference, cycle_momentum=True, **options)
+    for step in range(5):
+        _set_grads(_params(hybrid), 40 + 10 * step)
+        for mine, twin in zip(backup_params, twins, strict=True):
+            twin.grad = mine.grad.clone()
+        hybrid.step()
+        reference.step()
+        assert hybrid.backup.param_groups[0]["betas"] == reference.param_groups[0]["betas"]
+        for mine, twin in zip(backup_params, twins, strict=True):
+            assert torch.equal(mine, twin)
+        scheduler.step()
+        reference_scheduler.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_backup_momentum_no_beta1_may_take_is_refused_before_anything_changes(
+    backend: str,
+) -> None:
+    _, hybrid = _hybrid(backend)
+    _stepped(hybrid)
+    assert hybrid.backup is not None
+    hybrid.backup.param_groups[0]["momentum"] = 1.0
+    _set_grads(_params(hybrid), 77)
+    before = _snapshot(hybrid)
+    with pytest.raises(ValueError, match=re.escape("'momentum' is read as beta1")):
+        hybrid.step()
+    _assert_same(before, _snapshot(hybrid))
+    hybrid.backup.param_groups[0]["momentum"] = 0.85
+    _trains(hybrid)
+    assert hybrid.backup.param_groups[0]["betas"][0] == 0.85
 
 
 def test_one_cycle_on_a_backup_only_gefen_hybrid_cycles_beta1() -> None:

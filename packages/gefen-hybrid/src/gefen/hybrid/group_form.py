@@ -11,14 +11,18 @@ Each part keeps the group's own options, under the child's option names, and rec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor
 
 from gefen.hybrid.routing import is_muon_param
 
-__all__ = ["group_params", "is_group_form", "split_groups"]
+__all__ = ["follow_scheduled_momentum", "group_params", "is_group_form", "split_groups"]
+
+# Keys one child reads and the other would misread: a flagless group's parts keep only their own
+# (a backup group's "momentum" is the beta1 a momentum-cycling scheduler writes, see below).
+_MUON_ONLY, _BACKUP_ONLY = ("momentum",), ("betas",)
 
 
 def is_group_form(first: object) -> bool:
@@ -77,8 +81,11 @@ def split_groups(
         else:
             parts = (items, []) if flag else ([], items)
         for target, part, use_muon in ((muon, parts[0], True), (backup, parts[1], False)):
-            if part:
-                target.append({**options, "params": part, "use_muon": use_muon})
+            if not part:
+                continue
+            foreign = _BACKUP_ONLY if use_muon else _MUON_ONLY
+            kept = {k: v for k, v in options.items() if flag is not None or k not in foreign}
+            target.append({**kept, "params": part, "use_muon": use_muon})
     return muon, backup
 
 
@@ -89,3 +96,30 @@ def group_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
         for item in group["params"]:
             tensors.append(item[1] if isinstance(item, (tuple, list)) else item)
     return tensors
+
+
+def follow_scheduled_momentum(groups: Iterable[dict[str, Any]]) -> None:
+    """A backup group reads its beta1 from ``momentum`` when the group has one.
+
+    torch's momentum-cycling schedulers (``OneCycleLR``, ``CyclicLR`` with
+    ``cycle_momentum=True``) write one key into every group, chosen from ``defaults``; the
+    hybrid's are the Muon child's, so that key is ``momentum``. torch's Muon and AdamW, each
+    under its own scheduler, cycle Muon's momentum and AdamW's beta1 alike; here the backup
+    groups follow ``momentum`` into ``betas`` before every step. A value no beta1 may take is
+    refused before anything is written."""
+    for index, group in enumerate(groups):
+        if "momentum" not in group or "betas" not in group:
+            continue
+        momentum = group["momentum"]
+        if (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not 0.0 <= momentum < 1.0
+        ):
+            raise ValueError(
+                f"backup param group {index}: 'momentum' is read as beta1 (a momentum-cycling "
+                f"scheduler writes it) and must be a real in [0, 1), got {momentum!r}"
+            )
+        beta1, beta2 = group["betas"]
+        if float(beta1) != float(momentum):
+            group["betas"] = (float(momentum), beta2)

@@ -50,7 +50,7 @@ from gefen.hybrid.construction import (
     resolve_groups,
 )
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
-from gefen.hybrid.group_form import split_groups
+from gefen.hybrid.group_form import follow_scheduled_momentum, split_groups
 from gefen.hybrid.state_view import HybridState
 from gefen.muon import GefenMuon
 
@@ -330,8 +330,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         self.check_layout()
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
-        """Rank-local, no collective, no mutation: layout, then each child's checks."""
+        """Rank-local, no collective: layout, the backup's scheduled beta1, each child's checks
+        (the one write: backup ``betas`` follow a scheduler's ``momentum``)."""
         self.check_layout()
+        if self.backup is not None:
+            follow_scheduled_momentum(self.backup.param_groups)
         for _, participant in self._participants:
             participant.validate_step_inputs(amp_present=amp_present)
 
