@@ -237,8 +237,15 @@ def test_a_refused_group_changes_nothing_and_the_hybrid_still_trains(backend: st
     _steps(hybrid, model, 1)
 
 
-def test_the_tensor_lr_convention_holds_for_the_hybrid() -> None:
-    """The shared convention checks that the hybrid meets today (the others need its state to
-    take user keys and repeated parameters: open work)."""
-    factory = Factory("GefenMuonHybrid", lambda ps, **kw: GefenMuonHybrid([{"params": ps}], **kw))
-    CHECKS["tensor_lr_must_be_one_element"](factory)
+# The shared convention checks the hybrid meets today; the other two need its state view to take
+# user keys and its layout check to allow a parameter repeated in place (open work).
+HYBRID_CHECKS = ("tensor_lr_must_be_one_element", "duplicate_parameter_in_a_group_warns")
+
+
+@pytest.mark.parametrize("check", HYBRID_CHECKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_shared_torch_conventions_hold_for_the_hybrid(backend: str, check: str) -> None:
+    def build(params: list[nn.Parameter], **options: Any) -> GefenMuonHybrid:
+        return GefenMuonHybrid([{"params": params}], backup_optimizer=backend, **FAST, **options)
+
+    CHECKS[check](Factory(f"GefenMuonHybrid({backend})", build))
