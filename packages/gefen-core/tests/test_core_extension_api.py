@@ -50,6 +50,7 @@ EXPECTED = {
     "run_step": "gefen.core.transaction",
     "select_period": "gefen.core.kernels",
     "stage_entries": "gefen.core.loading",
+    "torch_indices": "gefen.core.saving",
     "validate_gradient_structure": "gefen.core.validation",
 }
 

@@ -5,6 +5,7 @@ the hybrid unchanged; a hybrid that refused a group still trains."""
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from typing import Any
@@ -235,6 +236,41 @@ def test_a_refused_group_changes_nothing_and_the_hybrid_still_trains(backend: st
         _rejected(hybrid, lambda group=group: hybrid.add_param_group(group), error, text)
     assert hybrid.owner_of(extra.weight) is None
     _steps(hybrid, model, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_repeated_in_a_backup_group_round_trips(backend: str) -> None:
+    """torch numbers a repeated parameter by one index (``[2, 1, 2]``); the backup's load
+    accepts the numbering its own ``state_dict`` wrote, and the twin then steps identically."""
+
+    def build(seed: int) -> tuple[GefenMuonHybrid, list[nn.Parameter]]:
+        generator = torch.Generator().manual_seed(seed)
+        matrix = nn.Parameter(torch.randn(4, 4, generator=generator))
+        first, second = (nn.Parameter(torch.randn(4, generator=generator)) for _ in range(2))
+        groups = [
+            {"params": [matrix], "use_muon": True},
+            {"params": [first, second, first], "use_muon": False},
+        ]
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            hybrid = GefenMuonHybrid(groups, backup_optimizer=backend, lr=1e-2, **FAST)
+        return hybrid, [matrix, first, second]
+
+    hybrid, params = build(0)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    hybrid.step()
+    twin, twin_params = build(0)
+    # A copy, as torch.save/torch.load give: torch's AdamW keeps a loaded 'step' tensor as is.
+    twin.load_state_dict(copy.deepcopy(hybrid.state_dict()))
+    for mine, theirs in zip(params, twin_params, strict=True):
+        with torch.no_grad():
+            theirs.copy_(mine)
+        mine.grad = torch.full_like(mine, 0.5)
+        theirs.grad = torch.full_like(theirs, 0.5)
+    hybrid.step()
+    twin.step()
+    for mine, theirs in zip(params, twin_params, strict=True):
+        assert torch.equal(mine, theirs)
 
 
 # The shared convention checks the hybrid meets today; the other two need its state view to take

@@ -108,11 +108,12 @@ class PreparedLoad:
         """Symmetric checks on gathered data: with a codebook scope the load's header (the step,
         codebook and replicated state it would publish, docs/dist.md §9.2), then the rank-local
         records (§10.3)."""
-        payload = load_header_payload(
-            self.optimizer, self.global_step, self.codebook, self.replica_words
-        )
-        if operation.binding is not None and payload is not None:
-            operation.header(OP_LOAD, payload, LOAD_HEADER_WORD_NAMES)
+        if operation.binding is not None:
+            words = load_header_payload(
+                self.optimizer, self.global_step, self.codebook, self.replica_words
+            )
+            if words is not None:
+                operation.header(OP_LOAD, words, LOAD_HEADER_WORD_NAMES)
         if self.rank_local is not None and len(operation.scope) > 0:
             check_rank_local_records(
                 self.rank_local,

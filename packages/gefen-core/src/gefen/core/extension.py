@@ -11,7 +11,7 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``PreparedFinalization``, ``run_step`` / ``run_load`` / ``STEP_SIGNATURE`` /
   ``HookedStepState`` (the step and load templates for a composite), ``copy_containers``;
 * state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
-  ``stage_entries``;
+  ``stage_entries``, ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
 * codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``;
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
@@ -35,6 +35,7 @@ from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.loading import stage_entries
 from gefen.core.options import check_flag, check_lr, check_optimizer_wide, lr_value
 from gefen.core.participant import ShellInterface
+from gefen.core.saving import torch_indices
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
 from gefen.core.transaction import (
@@ -89,6 +90,7 @@ __all__ = [
     "run_step",
     "select_period",
     "stage_entries",
+    "torch_indices",
     "validate_gradient_structure",
 ]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.extension import copy_containers
+from gefen.core.extension import copy_containers, torch_indices
 from gefen.dist import (
     Channel,
     check_rank_local_header,
@@ -143,22 +143,28 @@ def _validate(backup: torch.optim.Optimizer, sd: object) -> None:
 def _check_identifiers(
     backup: torch.optim.Optimizer, state: Mapping[Any, Any], ids: list[Any]
 ) -> None:
-    """Parameter ids as torch's ``state_dict`` writes them (0..n-1 in group order), entries only
-    for those ids; a live entry the checkpoint lacks restarts from zero, with a warning."""
-    if any(type(ident) is not int for ident in ids) or ids != list(range(len(ids))):
+    """Parameter ids as torch's ``state_dict`` writes them (``torch_indices``: 0..n-1 in group
+    order, a repeated parameter under one index), entries only for those ids; a live entry the
+    checkpoint lacks restarts from zero, with a warning."""
+    expected = [index for group in torch_indices(backup.param_groups) for index in group]
+    if any(type(ident) is not int for ident in ids) or ids != expected:
+        wanted = f"0..{len(ids) - 1}" if expected == list(range(len(ids))) else str(expected[:8])
         raise _reject(
-            f"parameter ids must be 0..{len(ids) - 1} in group order, as torch's state_dict "
+            f"parameter ids must be {wanted} in group order, as torch's state_dict "
             f"writes them (got {ids[:8]}{'…' if len(ids) > 8 else ''}): a re-keyed checkpoint"
         )
-    unknown = sorted(
-        (key for key in state if type(key) is not int or key not in range(len(ids))), key=repr
-    )
+    listed = set(expected)
+    unknown = sorted((key for key in state if type(key) is not int or key not in listed), key=repr)
     if unknown:
         raise _reject(f"state holds entries for parameter ids no group lists: {unknown[:8]}")
     live = [param for group in backup.param_groups for param in group["params"]]
-    dropped = [
-        ident for ident, param in enumerate(live) if backup.state.get(param) and ident not in state
-    ]
+    dropped = sorted(
+        {
+            ident
+            for ident, param in zip(expected, live, strict=True)
+            if backup.state.get(param) and ident not in state
+        }
+    )
     if dropped:
         warnings.warn(
             f"GefenMuonHybrid checkpoint: AdamW backup: no entry for parameter ids {dropped[:8]}, "

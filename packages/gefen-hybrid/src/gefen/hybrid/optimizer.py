@@ -231,8 +231,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         parts = split_groups(
             [param_group], config.backup_substrings, first_index=len(self.param_groups)
         )
-        check_disjoint([{"params": list(self._registry)}, *parts[0]], parts[1])
-        check_disjoint([{"params": list(self._registry)}], parts[0])
+        check_disjoint([{"params": list(self._registry)}], [*parts[0], *parts[1]])  # new ones
+        check_disjoint(parts[0], parts[1])  # and in one child only
         added: list[tuple[str, torch.optim.Optimizer | None]] = []
         try:
             for role, groups, build in (
