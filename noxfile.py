@@ -10,9 +10,15 @@
 * ``tests_all(backend=...)``: every distribution installed together; every package's tests,
   every multi-rank scenario and the root ``tests/`` integration suite. ``gloo`` always runs;
   ``nccl`` is skipped with a message unless two CUDA devices and NCCL are present.
-* ``typecheck`` (mypy strict) and ``lint`` (ruff check, ruff format --check).
+* ``typecheck`` (mypy strict) and ``lint`` (ruff check, ruff format --check, the repository
+  checks of ``tools/``).
+* ``build``: every wheel and sdist into ``dist/`` (each wheel built from its sdist), then
+  ``twine check --strict`` on all of them; it runs first, so the sessions after it install its
+  wheels.
 
-``demo`` and ``bench`` run the comparison harness and are not part of the default run.
+``demo`` and ``bench`` run the comparison harness; ``release`` (``nox -s release -- <package>
+<major|minor|patch>``, docs/releasing.md) bumps, dates, records the tested set, commits and tags.
+None of them is part of the default run.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import os
 import pathlib
 import re
 import shutil
+import sys
+import tarfile
+import zipfile
 
 import nox
 
@@ -28,11 +37,13 @@ ROOT = pathlib.Path(__file__).parent
 DIST = ROOT / "dist"
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
-TOOLING = ("hatchling>=1.21",)
+TOOLING = ("hatchling>=1.27",)  # PEP 639 license-files
+RELEASE_TOOLS = ("build>=1.2", "twine>=6.1")
+LEGAL_FILES = ("LICENSE", "NOTICE")  # in every archive (license-files)
 HARNESS_TOOLS = ("tqdm", "matplotlib")  # benchmarks/compare.py (and its test in tests/)
 PEERS = ("bitsandbytes", "torchao")  # compared against by ``bench`` when the index offers them
 
-nox.options.sessions = ["tests", "tests_all", "typecheck", "lint"]
+nox.options.sessions = ["build", "tests", "tests_all", "typecheck", "lint"]
 nox.options.default_venv_backend = "venv"  # pip venvs: torch comes from the local CPU wheel
 nox.options.error_on_missing_interpreters = True
 # torch ships thousands of modules; byte-compiling them at install time costs minutes per venv.
@@ -168,6 +179,63 @@ def lint(session: nox.Session) -> None:
     # docs/architecture.md: no module reaches into another object's private names.
     session.run("python", "tools/private_access.py", "--check")
     session.run("python", "tools/import_cycles.py", "--check")  # type-only imports included
+    # docs/releasing.md: versions, CHANGELOG entries, sibling ranges, LICENSE copies, READMEs.
+    session.run("python", "tools/release.py", "--check")
+
+
+def _archive_names(archive: pathlib.Path) -> list[str]:
+    if archive.name.endswith(".whl"):
+        with zipfile.ZipFile(archive) as wheel:
+            return wheel.namelist()
+    with tarfile.open(archive) as sdist:
+        return sdist.getnames()
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Every distribution's sdist and wheel (built from the sdist) into ``dist/``, each holding
+    LICENSE and NOTICE, then ``twine check --strict`` on all of them. The test sessions of the
+    same run install these wheels instead of building their own."""
+    global _wheels_built
+    session.install(*TOOLING, *RELEASE_TOOLS)
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    for package_dir in PACKAGES.values():
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--no-isolation",
+            "--outdir",
+            str(DIST),
+            str(package_dir),
+            silent=True,
+        )
+    _wheels_built = True
+    archives = sorted(DIST.glob("*.whl")) + sorted(DIST.glob("*.tar.gz"))
+    if len(archives) != 2 * len(PACKAGES):
+        session.error(
+            f"expected a wheel and an sdist per package, got {[a.name for a in archives]}"
+        )
+    for archive in archives:
+        names = _archive_names(archive)
+        if archive.name.endswith(".whl"):  # <name>-<version>.dist-info/licenses/LICENSE
+            found = {n.split("/")[-1] for n in names if n.split("/")[-2:-1] == ["licenses"]}
+        else:  # <name>-<version>/LICENSE
+            found = {n.split("/")[1] for n in names if n.count("/") == 1}
+        missing = [legal for legal in LEGAL_FILES if legal not in found]
+        if missing:
+            session.error(f"{archive.name} lacks {', '.join(missing)}")
+    session.run("twine", "check", "--strict", *(str(archive) for archive in archives))
+
+
+@nox.session(venv_backend="none")
+def release(session: nox.Session) -> None:
+    """``nox -s release -- <package> <major|minor|patch>`` (or ``-- --check``): tools/release.py,
+    with this interpreter (standard library only). Commits and tags; never pushes or uploads."""
+    if not session.posargs:
+        session.error("usage: nox -s release -- <package> <major|minor|patch> [--dry-run]")
+    session.run(sys.executable, str(ROOT / "tools" / "release.py"), *session.posargs, external=True)
 
 
 def _harness_install(session: nox.Session, *extra: str) -> None:
