@@ -39,6 +39,8 @@ EXPECTED = {
     "extras_field": "gefen.core.contract",
     "finalized_training": "gefen.core.contract",
     "fused_momentum": "gefen.core.extension",
+    "group_codecs": "gefen.core.options",
+    "group_uses_codebook": "gefen.core.options",
     "is_dtensor": "gefen.core.validation",
     "is_initialized": "gefen.core.state",
     "local_tensor": "gefen.core.validation",

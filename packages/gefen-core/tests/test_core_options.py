@@ -27,22 +27,23 @@ GROUP_CASES = [
     ({"factored_v_2d": 1}, TypeError, "factored_v_2d must be a bool"),
     ({"force_1d_period_one": "yes"}, TypeError, "force_1d_period_one must be a bool"),
     ({"force_2d_period_one": None}, TypeError, "force_2d_period_one must be a bool"),
-]
-WIDE_CASES = [
+    # Per-group since torch.optim's convention (every option may be overridden in a group):
     ({"deterministic": 1}, TypeError, "deterministic must be a bool"),
     ({"check_finite": "yes"}, TypeError, "check_finite must be a bool"),
     ({"stochastic_round": 0}, TypeError, "stochastic_round must be a bool"),
+    ({"momentum_codec": "int4"}, ValueError, "momentum_codec must be one of"),
+    ({"momentum_codec": "none", "stochastic_round": True}, ValueError, "requires momentum_codec"),
+    ({"fused": "yes"}, TypeError, "fused"),
+]
+WIDE_CASES = [
     ({"codebook_refresh_every": True}, TypeError, "codebook_refresh_every"),
     ({"codebook_refresh_every": 1.0}, TypeError, "codebook_refresh_every"),
     ({"codebook_refresh_every": -1}, ValueError, "codebook_refresh_every"),
-    ({"momentum_codec": "int4"}, ValueError, "momentum_codec must be one of"),
     (
         {"momentum_codec": "none", "codebook_refresh_every": 3},
         ValueError,
         "requires momentum_codec='codebook8'",
     ),
-    ({"momentum_codec": "none", "stochastic_round": True}, ValueError, "requires momentum_codec"),
-    ({"fused": "yes"}, TypeError, "fused"),
 ]
 
 
@@ -71,30 +72,35 @@ def test_invalid_group_option(options: dict, error: type, fragment: str, rejects
     assert len(optimizer.param_groups) == 1
 
 
-@pytest.mark.parametrize(("options", "error", "fragment"), WIDE_CASES[:7])
+@pytest.mark.parametrize(("options", "error", "fragment"), WIDE_CASES)
 def test_optimizer_wide_option_in_group_must_equal_constructor(options, error, fragment) -> None:
-    with pytest.raises(ValueError, match="optimizer-wide option"):
+    with pytest.raises(ValueError, match="optimizer-wide option 'codebook_refresh_every'"):
         Gefen([{"params": _params(), **options}])
 
 
-def test_group_overrides_optimizer_scope_option_rejected_and_group_scope_honoured(rejects) -> None:
+def test_the_refresh_schedule_is_optimizer_wide_and_the_message_says_why(rejects) -> None:
     a, b = _params()
-    with pytest.raises(ValueError, match="optimizer-wide option 'stochastic_round'"):
-        Gefen([{"params": [a], "stochastic_round": True}])
+    with pytest.raises(ValueError, match=r"shares the optimizer's one codebook"):
+        Gefen([{"params": [a]}, {"params": [b], "codebook_refresh_every": 5}])
+    optimizer = Gefen([a], codebook_refresh_every=5)
+    rejects(
+        optimizer,
+        lambda: optimizer.add_param_group({"params": [b], "codebook_refresh_every": 0}),
+        ValueError,
+        "optimizer-wide option 'codebook_refresh_every'",
+    )
+    # A fp32-momentum group beside a refreshed codebook8 group is fine (it has no codes).
+    Gefen([{"params": [a]}, {"params": [b], "momentum_codec": "none"}], codebook_refresh_every=5)
+
+
+def test_group_options_override_the_constructor_values() -> None:
+    a, b = _params()
     optimizer = Gefen([{"params": [a], "lr": 0.5, "factored_v_2d": False}, {"params": [b]}], lr=0.1)
     assert optimizer.param_groups[0]["lr"] == 0.5
     assert optimizer.param_groups[1]["lr"] == 0.1
     a.grad = torch.randn_like(a)
     optimizer.step()
     assert "v_block" in optimizer.state[a]  # factored_v_2d=False honoured for the 2-D parameter
-    rejects(
-        optimizer,
-        lambda: optimizer.add_param_group(
-            {"params": [torch.nn.Parameter(torch.ones(2))], "deterministic": True}
-        ),
-        ValueError,
-        "optimizer-wide option 'deterministic'",
-    )
 
 
 def test_lr_zero_accepted_and_tensor_lr() -> None:
@@ -300,7 +306,9 @@ def test_requires_grad_false_parameters_accepted_and_skipped() -> None:
         ("lr", -1.0, ValueError, "Invalid learning rate"),
         ("betas", (0.9, 1.5), ValueError, "Invalid beta parameter at index 1"),
         ("eps", 0.0, ValueError, "Invalid epsilon value"),
-        ("stochastic_round", True, ValueError, "optimizer-wide option 'stochastic_round'"),
+        ("codebook_refresh_every", 5, ValueError, "optimizer-wide option 'codebook_refresh_every'"),
+        ("deterministic", 1, TypeError, "deterministic must be a bool"),
+        ("momentum_codec", "none", RuntimeError, "a group's codec cannot change"),
         ("factored_v_2d", "no", TypeError, "factored_v_2d must be a bool"),
     ],
 )

@@ -285,3 +285,34 @@ def test_the_shared_torch_conventions_hold_for_the_hybrid(backend: str, check: s
         return GefenMuonHybrid([{"params": params}], backup_optimizer=backend, **FAST, **options)
 
     CHECKS[check](Factory(f"GefenMuonHybrid({backend})", build))
+
+
+def test_a_groups_codec_and_rounding_reach_its_childs_group() -> None:
+    """Per-group ``momentum_codec`` / ``stochastic_round`` (core and muon groups take them, as
+    any option): a Muon group with fp32 momentum and a backup group keeping fp32 momentum for
+    norms, beside codebook8 groups of each child; the layout survives a round trip."""
+    model = _model()
+    hidden, rest = _split(model)
+    groups = [
+        {"params": hidden, "use_muon": True, "momentum_codec": "none"},
+        {"params": rest[:1], "use_muon": False, "stochastic_round": True},
+        {"params": rest[1:], "use_muon": False, "momentum_codec": "none"},
+    ]
+    hybrid = GefenMuonHybrid(groups, lr=0.02, **FAST)
+    _steps(hybrid, model)
+    assert "momentum_buffer" in hybrid.muon.state[hidden[0]]
+    assert "momentum_codes" in hybrid.backup.state[rest[0]]
+    assert all("momentum" in hybrid.backup.state[p] for p in rest[1:])
+    assert hybrid.backup.param_groups[0]["stochastic_round"] is True
+    twin_model = _model()
+    twin_model.load_state_dict(model.state_dict())
+    twin_hidden, twin_rest = _split(twin_model)
+    twin_groups = [dict(group) for group in groups]
+    for group, params in zip(twin_groups, (twin_hidden, twin_rest[:1], twin_rest[1:]), strict=True):
+        group["params"] = params
+    twin = GefenMuonHybrid(twin_groups, lr=0.02, **FAST)
+    twin.load_state_dict(copy.deepcopy(hybrid.state_dict()))
+    _steps(hybrid, model, 1)
+    _steps(twin, twin_model, 1)
+    for mine, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from gefen.core.state import entry_matches, is_initialized
+from gefen.core.options import group_uses_codebook
+from gefen.core.state import CodecKeys, entry_matches, is_initialized
 from gefen.core.validation import local_tensor, parameter_label
 from gefen.dist.torch_internals import tensor_version
 
@@ -70,7 +71,8 @@ def entry_signature(
             values.append((key, id(value), value.shape, value.dtype))  # Size compares as tuple
         elif key != "step" and key != "v_step":
             values.append((key, value))
-    identity = (id(param), id(group), id(entry), id(local), local.shape, param.dim())
+    codec = group.get("momentum_codec")
+    identity = (id(param), id(group), id(entry), id(local), local.shape, param.dim(), codec)
     return (identity, tuple(values), _Held(tuple(held)))
 
 
@@ -89,6 +91,8 @@ def match_changed_entries(
             signature = entry_signature(group, param, entry)
             if previous.get(id(param)) != signature:
                 reason = entry_matches(entry, optimizer.entry_spec(group, param))
+                if reason is None:
+                    reason = _codec_mismatch(entry, group, optimizer.CODEC_KEYS)
                 if reason is not None:
                     label = parameter_label(group, group_index, position)
                     raise RuntimeError(
@@ -96,6 +100,21 @@ def match_changed_entries(
                     )
             matched[id(param)] = signature
     return matched
+
+
+def _codec_mismatch(
+    entry: Mapping[str, Any], group: Mapping[str, Any], keys: CodecKeys
+) -> str | None:
+    """Why an initialized entry's momentum is not the group's codec, or None. The codec of a
+    group is fixed once its state exists: the step would misread the other codec's tensors."""
+    if not is_initialized(entry) or (keys.codes in entry) == group_uses_codebook(group):
+        return None
+    held = "codebook8 codes" if keys.codes in entry else "an fp32 momentum"
+    return (
+        f"the group's momentum_codec is {group.get('momentum_codec')!r} but the state holds "
+        f"{held}; a group's codec cannot change once its state exists (load a checkpoint "
+        "saved with this codec, or give the parameter a fresh state)"
+    )
 
 
 def revalidate_changed_groups(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from gefen.core.options import group_uses_codebook
 from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
@@ -42,6 +43,7 @@ __all__ = ["PreparedLoad", "check_checkpoint_binding", "prepare_load"]
 
 # Group options the live optimizer always keeps, whatever the checkpoint says (§8.3).
 LIVE_OPTIONS = ("fused", "check_finite", "codebook_refresh_every", "stochastic_round")
+FIXED_OPTIONS = ("momentum_codec", "deterministic")  # a saved group must match the live one
 
 
 def check_checkpoint_binding(
@@ -239,7 +241,7 @@ class _Loader:
     def check_codebook(self, codebook: object) -> None:
         if codebook is None:
             return
-        if self.optimizer.defaults["momentum_codec"] == "none":
+        if not self.optimizer.uses_codebook:
             raise self.reject("momentum_codec 'none' holds no codebook")
         try:
             validate_codebook(codebook)
@@ -270,7 +272,8 @@ class _Loader:
     def group(self, index: int, saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
         staged = {key: value for key, value in saved.items() if key not in ("params", EXTRAS_KEY)}
         defaults = self.optimizer.defaults
-        kept = (*LIVE_OPTIONS, "momentum_codec", "deterministic")
+        self.fixed_options(index, staged, live)
+        kept = (*LIVE_OPTIONS, *FIXED_OPTIONS)
         filled = [name for name in defaults if name not in staged and name not in kept]
         if filled:
             # A group saved without an option (a hand-edited or older checkpoint): say which
@@ -286,8 +289,8 @@ class _Loader:
         for name, value in defaults.items():
             staged.setdefault(name, value)
         for name in kept:
-            if name in defaults:
-                staged[name] = defaults[name]
+            if name in live:
+                staged[name] = live[name]
         if isinstance(staged.get("betas"), list):
             staged["betas"] = tuple(staged["betas"])
         staged["params"] = list(live["params"])
@@ -297,6 +300,22 @@ class _Loader:
         except (ValueError, TypeError, RuntimeError) as error:
             raise self.reject(f"group {index}: {error}") from None
         return staged
+
+    def fixed_options(self, index: int, saved: dict[str, Any], live: dict[str, Any]) -> None:
+        """A group's codec and determinism are the live group's: the entries' layout and the
+        kernels' reproducibility follow them (a saved group may omit them)."""
+        if "deterministic" in saved and not _equal(saved["deterministic"], live["deterministic"]):
+            raise self.reject(
+                f"group {index}: deterministic differs from the live flag (changing it "
+                "requires a fresh optimizer)"
+            )
+        if "momentum_codec" in saved and not _equal(
+            saved["momentum_codec"], live["momentum_codec"]
+        ):
+            raise self.reject(
+                f"group {index}: momentum_codec {saved['momentum_codec']!r} differs from the "
+                f"live {live['momentum_codec']!r}"
+            )
 
     def names(self, index: int, staged: dict[str, Any], live: dict[str, Any]) -> None:
         if "param_names" not in staged:
@@ -372,6 +391,23 @@ def _first_places(keys: list[Any]) -> list[int]:
     return [first.setdefault(key, place) for place, key in enumerate(keys)]
 
 
+def _needs_codebook(
+    optimizer: ShellInterface,
+    groups: list[dict[str, Any]],
+    entries: Mapping[int, Mapping[str, Any]],
+    extras: Mapping[str, Any],
+) -> bool:
+    """Codes exist without a codebook only in a broken checkpoint: a codebook8 group's entry
+    with a period, or (every group codebook8) a step taken, since the first step learns it.
+    With fp32-momentum groups beside, steps can precede the first codebook8 group."""
+    coded = [group_uses_codebook(group) for group in groups for _ in group["params"]]
+    if not any(coded):
+        return False
+    if all(coded) and extras["global_step"] > 0:
+        return True
+    return any(coded[position] and entry.get("period", 0) for position, entry in entries.items())
+
+
 def _check_counters(
     loader: _Loader, entries: Mapping[int, Mapping[str, Any]], global_step: int
 ) -> None:
@@ -402,8 +438,7 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
     saved = _saved_entries(loader, state, identifiers, extras, staged_groups)
     entries = optimizer.stage_entries(saved, staged_groups, extras)
     codebook = extras["codebook"]
-    needs_codebook = extras["global_step"] > 0 or any(e.get("period", 0) for e in entries.values())
-    if optimizer.defaults["momentum_codec"] == "codebook8" and codebook is None and needs_codebook:
+    if codebook is None and _needs_codebook(optimizer, staged_groups, entries, extras):
         raise loader.reject("codes but no codebook (global_step > 0 or a non-pristine entry)")
     _check_counters(loader, entries, extras["global_step"])
     new_state: defaultdict[Tensor, Any] = defaultdict(dict)

@@ -24,6 +24,7 @@ from gefen.core.learning import (
     solve_new_codebook,
     stage_periods,
 )
+from gefen.core.options import group_uses_codebook
 from gefen.core.scoped import scoped_learn, scoped_refresh_table
 from gefen.dist import PHASE_INITIALIZE_PREAMBLE, PHASE_REFRESH_PREAMBLE, GuardedOperation
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_INITIALIZE, OP_REFRESH
@@ -51,6 +52,13 @@ def _stage_new_periods(opt: ShellInterface, inputs: list[CodebookInput]) -> dict
     return stage_periods(inputs, _live_periods(opt), select)
 
 
+def _coded(opt: ShellInterface, inputs: list[CodebookInput]) -> list[CodebookInput]:
+    """The inputs of codebook8 groups: a group keeping fp32 momentum picks a period (it is
+    the layout of its second moment) but does not shape the codebook."""
+    coded = {index for index, group, _ in opt.indexed_params() if group_uses_codebook(group)}
+    return [item for item in inputs if item[0] in coded]
+
+
 def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning:
     """Periods for every input and the first codebook, or the agreed no-op (§5.5)."""
     if _scoped(opt, op):
@@ -58,7 +66,7 @@ def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning
         return StagedLearning(noop=True) if learned is None else learned
     inputs = opt.codebook_inputs(op)
     periods = _stage_new_periods(opt, inputs)
-    counts = build_histogram(inputs, periods)
+    counts = build_histogram(_coded(opt, inputs), periods)
     if not any_nonzero_agreed(counts, op.scope):
         return StagedLearning(noop=True)
     device = inputs[0][1].device if inputs else torch.device("cpu")
@@ -79,7 +87,7 @@ def _refreshed(
         if learned is None or learned.codebook is None:
             return None
         return learned.codebook, scoped_refresh_table(opt, op, learned.codebook)
-    counts = build_histogram(inputs, {**_live_periods(opt), **staged})
+    counts = build_histogram(_coded(opt, inputs), {**_live_periods(opt), **staged})
     if not bool(counts.sum().item() > 0):
         return None
     new_codebook = solve_new_codebook(counts, current.device)

@@ -27,6 +27,7 @@ from gefen.contracts import (
     StateVariant,
     TrainingSupport,
 )
+from gefen.core.options import group_codecs
 
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
@@ -80,10 +81,9 @@ def _fields() -> tuple[StateField, ...]:
     )
 
 
-def _variants(codebook8: bool, factored: bool) -> tuple[StateVariant, ...]:
-    prefix = "q8" if codebook8 else "fp32"
-    momentum = ("momentum_codes", "momentum_scale") if codebook8 else ("momentum",)
-    block_fields = ("period", "step", *momentum, "v_block", "v_step")
+def _variants(codecs: tuple[bool, ...], factored: bool) -> tuple[StateVariant, ...]:
+    """The uninitialized variant, then each codec's (``codecs``: codebook8 or not, for every
+    codec some group keeps)."""
     variants = [
         StateVariant(
             name="uninitialized",
@@ -91,7 +91,18 @@ def _variants(codebook8: bool, factored: bool) -> tuple[StateVariant, ...]:
             layouts=frozenset({_REPLICATED, _SHARD}),
             extent=StateExtent.METADATA_ONLY,
             initialized=False,
-        ),
+        )
+    ]
+    for codebook8 in codecs:
+        variants += _codec_variants(codebook8, factored)
+    return tuple(variants)
+
+
+def _codec_variants(codebook8: bool, factored: bool) -> list[StateVariant]:
+    prefix = "q8" if codebook8 else "fp32"
+    momentum = ("momentum_codes", "momentum_scale") if codebook8 else ("momentum",)
+    block_fields = ("period", "step", *momentum, "v_block", "v_step")
+    variants = [
         StateVariant(
             name=f"{prefix}_block",
             fields=block_fields,
@@ -115,7 +126,7 @@ def _variants(codebook8: bool, factored: bool) -> tuple[StateVariant, ...]:
                 parameter_ranks=(2,),
             )
         )
-    return tuple(variants)
+    return variants
 
 
 def _checkpoints(collective: bool) -> tuple[CheckpointSupport, ...]:
@@ -174,7 +185,7 @@ def gefen_contract(
     optimizer: ShellInterface, groups: Sequence[Mapping[str, Any]], implementation: str
 ) -> OptimizerContract:
     """Build the contract from the live options and failure scope; reads only."""
-    codebook8 = optimizer.defaults["momentum_codec"] == "codebook8"
+    codecs = group_codecs(groups)
     factored = any(bool(group.get("factored_v_2d")) for group in groups)
     collective = len(optimizer.step_failure_scope()) > 0
     capabilities = OptimizerCapabilities(
@@ -191,9 +202,7 @@ def gefen_contract(
         ),
         **api_flags(optimizer),  # type: ignore[arg-type]
     )
-    layout = OptimizerStateLayout(
-        fields=_fields(), parameter_variants=_variants(codebook8, factored)
-    )
+    layout = OptimizerStateLayout(fields=_fields(), parameter_variants=_variants(codecs, factored))
     return OptimizerContract(
         implementation=implementation, state_layout=layout, capabilities=capabilities
     )

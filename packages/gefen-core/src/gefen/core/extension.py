@@ -16,8 +16,9 @@ built on the shell uses the same list. Names are grouped by what they are for:
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
-  ``lr_value``, ``amp_scaling_supported``, ``check_finite_gradients``,
-  ``validate_gradient_structure``, ``is_dtensor``, ``local_tensor``, ``parameter_label``;
+  ``group_uses_codebook``, ``group_codecs`` (a group's own ``momentum_codec``), ``lr_value``,
+  ``amp_scaling_supported``, ``check_finite_gradients``, ``validate_gradient_structure``,
+  ``is_dtensor``, ``local_tensor``, ``parameter_label``;
 * contracts: ``api_flags``, ``extras_field``, ``finalized_training``, ``parameter_field``.
 
 Everything here is covered by gefen-core's own tests (``tests/test_core_extension_api.py``
@@ -33,7 +34,14 @@ from gefen.core.finalization import PreparedFinalization
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.loading import stage_entries
-from gefen.core.options import check_flag, check_lr, check_optimizer_wide, lr_value
+from gefen.core.options import (
+    check_flag,
+    check_lr,
+    check_optimizer_wide,
+    group_codecs,
+    group_uses_codebook,
+    lr_value,
+)
 from gefen.core.participant import ShellInterface
 from gefen.core.saving import torch_indices
 from gefen.core.shell import OptimizerShell
@@ -79,6 +87,8 @@ __all__ = [
     "extras_field",
     "finalized_training",
     "fused_momentum",
+    "group_codecs",
+    "group_uses_codebook",
     "is_dtensor",
     "is_initialized",
     "local_tensor",

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gefen.core.options import group_uses_codebook
 from gefen.core.state import (
     EntrySpec,
     copy_entry,
@@ -37,9 +38,9 @@ def stage_entries(
 ) -> dict[int, dict[str, Any]]:
     """Shadow entries by flat position: each saved entry is checked by the one validator, the
     other codec is rejected, and the entry is copied (a missing one is the placeholder)."""
-    prefix = "q8" if optimizer.defaults["momentum_codec"] == "codebook8" else "fp32"
     staged: dict[int, dict[str, Any]] = {}
     for group_index, group in enumerate(groups):
+        prefix = "q8" if group_uses_codebook(group) else "fp32"
         for slot, param in enumerate(group["params"]):
             index = len(staged)
             label = parameter_label(group, group_index, slot)

@@ -21,6 +21,7 @@ from gefen.core.options import (
     GEFEN_OPTIMIZER_WIDE,
     check_betas,
     check_optimizer_wide,
+    group_uses_codebook,
     validate_gefen_options,
 )
 from gefen.core.options import lr_value as _lr_value  # module attribute: tests count reads
@@ -148,7 +149,7 @@ class Gefen(OptimizerShell):
             "momentum_codec": momentum_codec,
             "fused": fused,
         }
-        validate_gefen_options(defaults)
+        validate_gefen_options(defaults, constructor=True)
         defaults["betas"] = check_betas(betas)
         super().__init__(params, defaults)
 
@@ -188,7 +189,7 @@ class Gefen(OptimizerShell):
 
     def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
         inputs: list[CodebookInput] = []
-        for index, _, param in self.indexed_params():
+        for index, _, param in self.indexed_params():  # fp32-momentum groups choose periods too
             if param.grad is None:
                 continue
             grad = local_tensor(param.grad)
@@ -211,15 +212,15 @@ class Gefen(OptimizerShell):
         return (
             local_tensor(param).device.type,
             param.dtype,
-            self.defaults["momentum_codec"],
+            group["momentum_codec"],
             family,
         )
 
     def _kernel(self, group: Mapping[str, Any], param: Tensor) -> Updater | None:
         return self._kernels.select(
             self._kernel_key(group, param),
-            fused=self.defaults["fused"],
-            deterministic=self.defaults["deterministic"],
+            fused=group["fused"],
+            deterministic=group["deterministic"],
         )
 
     def _select_kernels(self) -> None:
@@ -247,9 +248,9 @@ class Gefen(OptimizerShell):
 
     def _planned_updates(self, learning: StagedLearning) -> list[_PlannedUpdate]:
         plan: list[_PlannedUpdate] = []
-        stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
         index = -1
         for group_index, group in enumerate(self.param_groups):
+            stochastic = group_uses_codebook(group) and bool(group["stochastic_round"])
             for position, param in enumerate(group["params"]):
                 index += 1
                 if param.grad is None or local_tensor(param).numel() == 0:
@@ -298,7 +299,7 @@ class Gefen(OptimizerShell):
         spec = self.entry_spec(group, param)
         if not is_initialized(entry):
             fresh = allocate_entry(
-                spec, planned.period, codebook8=self.uses_codebook, device=device
+                spec, planned.period, codebook8=group_uses_codebook(group), device=device
             )
         elif entry_family(entry) != spec.second_moment:
             warnings.warn(
@@ -335,8 +336,8 @@ class Gefen(OptimizerShell):
             (planned.updater or eager_update_)(planned.local, grad, entry, scalars)
 
     def _scalars_with_codebook(self, plan: _StepPlan) -> dict[tuple[int, Any], StepScalars]:
-        """Each group's scalars with the codebook on each device it is used on (codec "none":
-        the scalars as they are)."""
+        """Each group's scalars with the codebook on each device it is used on (a group whose
+        codec is "none": the scalars as they are)."""
         codebook = self._codebook if self.uses_codebook else None
         codebooks: dict[Any, Tensor] = {}
         bound: dict[tuple[int, Any], StepScalars] = {}
@@ -345,7 +346,7 @@ class Gefen(OptimizerShell):
             if key in bound:
                 continue
             scalars = plan.scalars[key[0]]
-            if codebook is not None:
+            if codebook is not None and group_uses_codebook(planned.group):
                 if key[1] not in codebooks:
                     codebooks[key[1]] = codebook.to(key[1])
                 scalars = StepScalars(

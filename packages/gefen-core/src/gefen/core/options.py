@@ -8,7 +8,7 @@ caller where normalising is allowed).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,8 @@ __all__ = [
     "check_flag",
     "check_lr",
     "check_optimizer_wide",
+    "group_codecs",
+    "group_uses_codebook",
     "lr_value",
     "validate_gefen_options",
 ]
@@ -36,14 +38,13 @@ GEFEN_GROUP_OPTIONS = (
     "force_1d_period_one",
     "force_2d_period_one",
 )
-GEFEN_OPTIMIZER_WIDE = (
-    "codebook_refresh_every",
-    "stochastic_round",
-    "deterministic",
-    "check_finite",
-    "momentum_codec",
-    "fused",
-)
+# Every other option may differ between groups, as in torch.optim. The refresh schedule belongs
+# to the one codebook all of an optimizer's codebook8 groups share.
+GEFEN_OPTIMIZER_WIDE = ("codebook_refresh_every",)
+_WHY_OPTIMIZER_WIDE = {
+    "codebook_refresh_every": "every codebook8 group shares the optimizer's one codebook, "
+    "refreshed on one schedule",
+}
 GEFEN_FLAGS = (
     "factored_v_2d",
     "force_1d_period_one",
@@ -105,18 +106,32 @@ def _check_refresh(value: object) -> None:
         raise ValueError(f"codebook_refresh_every must be >= 0, got {value}")
 
 
-def _check_codec(options: Mapping[str, Any]) -> None:
+def _check_codec(options: Mapping[str, Any], *, constructor: bool) -> None:
     codec = options["momentum_codec"]
     if not isinstance(codec, str) or codec not in CODECS:
         raise ValueError(f"momentum_codec must be one of {CODECS}, got {codec!r}")
-    if codec == "none" and (options["codebook_refresh_every"] > 0 or options["stochastic_round"]):
-        raise ValueError(
-            "codebook_refresh_every > 0 or stochastic_round requires momentum_codec='codebook8'"
-        )
+    if codec == "none" and options["stochastic_round"]:
+        raise ValueError("stochastic_round requires momentum_codec='codebook8'")
+    # A group with fp32 momentum may sit beside codebook8 groups whose codebook is refreshed;
+    # only an optimizer whose default codec is "none" has nothing to refresh.
+    if constructor and codec == "none" and options["codebook_refresh_every"] > 0:
+        raise ValueError("codebook_refresh_every > 0 requires momentum_codec='codebook8'")
 
 
-def validate_gefen_options(options: Mapping[str, Any]) -> None:
-    """Gefen's §2.2 rules in order over one group (or the constructor's defaults)."""
+def group_uses_codebook(group: Mapping[str, Any]) -> bool:
+    """True iff the group's momentum is codebook8 codes (its own ``momentum_codec``)."""
+    return bool(group.get("momentum_codec", "codebook8") == "codebook8")
+
+
+def group_codecs(groups: Sequence[Mapping[str, Any]]) -> tuple[bool, ...]:
+    """Which codecs the groups keep, codebook8 first: (True,), (False,) or (True, False)."""
+    used = {group_uses_codebook(group) for group in groups}
+    return tuple(codebook8 for codebook8 in (True, False) if codebook8 in used)
+
+
+def validate_gefen_options(options: Mapping[str, Any], *, constructor: bool = False) -> None:
+    """Gefen's §2.2 rules in order over one group (or, ``constructor=True``, the constructor's
+    defaults)."""
     check_lr(options["lr"])
     check_betas(options["betas"])
     _check_positive_finite("eps", "epsilon", options["eps"], allow_zero=False)
@@ -124,7 +139,7 @@ def validate_gefen_options(options: Mapping[str, Any]) -> None:
     for name in GEFEN_FLAGS:
         check_flag(name, options[name])
     _check_refresh(options["codebook_refresh_every"])
-    _check_codec(options)
+    _check_codec(options, constructor=constructor)
     fused = options["fused"]
     if fused is not None and type(fused) is not bool:
         raise TypeError(f"fused must be None, True or False, got {fused!r}")
@@ -136,9 +151,11 @@ def check_optimizer_wide(
     """An optimizer-scope option given in a group must equal the constructor value."""
     for name in names:
         if name in group and not _same_option(group[name], defaults[name]):
+            why = _WHY_OPTIMIZER_WIDE.get(name)
             raise ValueError(
                 f"optimizer-wide option '{name}' must equal the constructor value "
                 f"{defaults[name]!r} in every parameter group, got {group[name]!r}"
+                + ("" if why is None else f" ({why})")
             )
 
 

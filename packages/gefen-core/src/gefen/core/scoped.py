@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gefen.contracts import ParameterLayout, ShardIdentity
 from gefen.core.learning import StagedLearning, build_histogram, remap_table, solve_new_codebook
+from gefen.core.options import group_uses_codebook
 from gefen.dist import (
     PHASE_CODEBOOK_SOLVE,
     PHASE_LOCAL_HISTOGRAM_PREPARATION,
@@ -73,7 +74,8 @@ def _local_contributions(
                 view = grad.detach()
                 period = optimizer.select_new_period(group, tensor, view, tuple(view.shape)) or 0
                 periods[index] = period
-            if active and period > 0 and _contributes(shard, tensor, coordinate):
+            coded = group_uses_codebook(group)  # an fp32-momentum group learns no codebook
+            if active and period > 0 and coded and _contributes(shard, tensor, coordinate):
                 assert grad is not None
                 inputs.append((index, grad.detach(), tuple(grad.shape)))
                 input_periods[index] = period

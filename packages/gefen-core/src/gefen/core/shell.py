@@ -27,6 +27,7 @@ from gefen.core.fused import KernelSelector
 from gefen.core.groups import checked_new_group
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
+from gefen.core.options import group_uses_codebook
 from gefen.core.saving import build_state_dict
 from gefen.core.scoped import scope_header_payload
 from gefen.core.sharded_layout import Finalized, ParameterRebinding
@@ -239,8 +240,8 @@ class OptimizerShell(HookedStepState, Optimizer):
             self._check_local_inputs()
             self._select_kernels()
             self._steady = token  # what passed; the plan and learning caches key on it
-        if self.defaults.get("check_finite", True) and not amp_present:
-            check_finite_gradients(self.param_groups)
+        if not amp_present:
+            check_finite_gradients(self.param_groups)  # each group's own check_finite
 
     def gradient_presence(self) -> list[bool]:
         """Which parameters have a gradient, in group order (the vote agrees on it)."""
@@ -351,7 +352,9 @@ class OptimizerShell(HookedStepState, Optimizer):
 
     @property
     def uses_codebook(self) -> bool:
-        return bool(self.defaults.get("momentum_codec", "codebook8") == "codebook8")
+        """True iff some group keeps codebook8 momentum (they share the one codebook)."""
+        groups = self.__dict__.get("param_groups") or [self.defaults]
+        return any(group_uses_codebook(group) for group in groups)
 
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
         """Learning of §5.5–§5.6; skipped while the steady-state token and the codebook are those
@@ -398,8 +401,7 @@ class OptimizerShell(HookedStepState, Optimizer):
             self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
         )
         self._check_local_inputs()
-        if self.defaults.get("check_finite", True):
-            check_finite_gradients(self.param_groups)
+        check_finite_gradients(self.param_groups)
         return self.step_header_payload()
 
     def initialize_codebook(self) -> bool:

@@ -13,10 +13,11 @@ pytest nor ``torch.distributed``.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -27,11 +28,15 @@ __all__ = ["CHECKS", "TORCH_ADAMW", "Factory"]
 @dataclass(frozen=True)
 class Factory:
     """How to build one optimizer: ``build(params, **options)``; ``shape`` is the shape of the
-    parameters it optimizes (GefenMuon: matrices only)."""
+    parameters it optimizes (GefenMuon: matrices only). ``group_options`` gives, per option a
+    group may override, a valid value other than the default; ``optimizer_wide`` the same for
+    the options a group must not change."""
 
     name: str
     build: Callable[..., torch.optim.Optimizer]
     shape: tuple[int, ...] = (4, 8)
+    group_options: Mapping[str, Any] = field(default_factory=dict)
+    optimizer_wide: Mapping[str, Any] = field(default_factory=dict)
 
     def params(self, count: int = 2, seed: int = 0) -> list[torch.nn.Parameter]:
         generator = torch.Generator().manual_seed(seed)
@@ -40,7 +45,19 @@ class Factory:
         ]
 
 
-TORCH_ADAMW = Factory("torch.optim.AdamW", lambda params, **kw: torch.optim.AdamW(params, **kw))
+TORCH_ADAMW = Factory(
+    "torch.optim.AdamW",
+    lambda params, **kw: torch.optim.AdamW(params, **kw),
+    group_options={
+        "lr": 0.02,
+        "betas": (0.8, 0.95),
+        "eps": 1e-6,
+        "weight_decay": 0.05,
+        "amsgrad": True,
+        "maximize": True,
+        "foreach": False,
+    },
+)
 
 
 def _give_grads(params: list[torch.nn.Parameter], seed: int) -> None:
@@ -155,7 +172,44 @@ def duplicates_share_one_index_in_the_state_dict(factory: Factory) -> None:
     assert torch.equal(second, twin_second)
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return tuple(a) == tuple(b)
+    return type(a) is type(b) and bool(a == b)
+
+
+def every_option_can_be_set_per_group(factory: Factory) -> None:
+    """Each option a group may override keeps the group's value beside a group with the
+    default (at construction and through ``add_param_group``), trains, and survives a
+    ``state_dict`` round trip; an optimizer-wide option in a group is refused, naming it."""
+    for name, value in factory.group_options.items():
+        first, second = factory.params()
+        optimizer = factory.build([{"params": [first]}, {"params": [second], name: value}], lr=0.01)
+        default = optimizer.defaults[name]
+        assert not _same_value(value, default), f"{name}: {value!r} is the default"
+        assert _same_value(optimizer.param_groups[1][name], value), name
+        assert _same_value(optimizer.param_groups[0][name], default), name
+        _train(optimizer, [first, second], 2)
+        assert all(bool(p.isfinite().all()) for p in (first, second)), name
+        twin_first, twin_second = (torch.nn.Parameter(p.detach().clone()) for p in (first, second))
+        twin = factory.build([twin_first], lr=0.01)
+        twin.add_param_group({"params": [twin_second], name: value})
+        assert _same_value(twin.param_groups[1][name], value), name
+        twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        assert _same_value(twin.param_groups[1][name], value), name
+        _train(optimizer, [first, second], 1)
+        _train(twin, [twin_first, twin_second], 1)
+        assert torch.equal(second, twin_second), f"{name}: the loaded twin steps differently"
+    for name, value in factory.optimizer_wide.items():
+        groups: list[dict[str, Any]] = [{"params": [param]} for param in factory.params()]
+        groups[1][name] = value
+        _raises(
+            ValueError, f"optimizer-wide option '{name}'", functools.partial(factory.build, groups)
+        )
+
+
 CHECKS: dict[str, Callable[[Factory], None]] = {
+    "every_option_can_be_set_per_group": every_option_can_be_set_per_group,
     "tensor_lr_must_be_one_element": tensor_lr_must_be_one_element,
     "non_parameter_state_round_trips": non_parameter_state_round_trips,
     "duplicate_parameter_in_a_group_warns": duplicate_parameter_in_a_group_warns,

@@ -140,7 +140,8 @@ def validate_gradient_structure(
 
 
 def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
-    """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient.
+    """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient
+    (a group with ``check_finite=False`` is not read).
 
     Contiguous CPU gradients, once the native kernel library is loaded, are read in one native
     pass (``gefen.core.native.first_nonfinite``). Otherwise: one fused reduction per gradient
@@ -152,6 +153,8 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
     located: list[tuple[Mapping[str, Any], int, int]] = []
     grads: list[Tensor] = []
     for group_index, group in enumerate(param_groups):
+        if group.get("check_finite", True) is False:
+            continue
         for position, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:

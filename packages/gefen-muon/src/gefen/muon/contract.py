@@ -26,7 +26,13 @@ from gefen.contracts import (
     TopologyChange,
     TrainingSupport,
 )
-from gefen.core.extension import api_flags, extras_field, finalized_training, parameter_field
+from gefen.core.extension import (
+    api_flags,
+    extras_field,
+    finalized_training,
+    group_codecs,
+    parameter_field,
+)
 
 if TYPE_CHECKING:
     from gefen.core.extension import ShellInterface
@@ -70,11 +76,10 @@ def _momentum_variants(
     ]
 
 
-def _variants(codebook8: bool, global_shards: bool, local_shards: bool) -> tuple[StateVariant, ...]:
-    prefix = "q8" if codebook8 else "fp32"
-    momentum = (
-        ("momentum_codes", "momentum_scale", "matrix_cols") if codebook8 else ("momentum_buffer",)
-    )
+def _variants(
+    codecs: tuple[bool, ...], global_shards: bool, local_shards: bool
+) -> tuple[StateVariant, ...]:
+    """The uninitialized variant, then each kept codec's (codebook8 or not)."""
     variants = [
         StateVariant(
             name="uninitialized",
@@ -85,11 +90,20 @@ def _variants(codebook8: bool, global_shards: bool, local_shards: bool) -> tuple
         )
     ]
     global_layouts = frozenset({_REPLICATED, _SHARD}) if global_shards else frozenset({_REPLICATED})
-    variants += _momentum_variants(prefix, momentum, global_layouts, StateExtent.GLOBAL_PARAMETER)
-    if local_shards:
-        variants += _momentum_variants(
-            f"{prefix}_local", momentum, frozenset({_SHARD}), StateExtent.LOCAL_STORAGE
+    for codebook8 in codecs:
+        prefix = "q8" if codebook8 else "fp32"
+        momentum = (
+            ("momentum_codes", "momentum_scale", "matrix_cols")
+            if codebook8
+            else ("momentum_buffer",)
         )
+        variants += _momentum_variants(
+            prefix, momentum, global_layouts, StateExtent.GLOBAL_PARAMETER
+        )
+        if local_shards:
+            variants += _momentum_variants(
+                f"{prefix}_local", momentum, frozenset({_SHARD}), StateExtent.LOCAL_STORAGE
+            )
     return tuple(variants)
 
 
@@ -151,7 +165,7 @@ def muon_contract(optimizer: ShellInterface) -> OptimizerContract:
     layout = OptimizerStateLayout(
         fields=_fields(),
         parameter_variants=_variants(
-            optimizer.defaults["momentum_codec"] == "codebook8",
+            group_codecs(optimizer.param_groups),
             global_shards=bool(modes & {"exact", "distributed"}),
             local_shards="approx" in modes,
         ),

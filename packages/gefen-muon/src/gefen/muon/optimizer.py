@@ -27,6 +27,7 @@ from gefen.core.extension import (
     allocate_entry,
     check_optimizer_wide,
     eager_advance_momentum_,
+    group_uses_codebook,
     is_initialized,
     local_tensor,
     run_step,
@@ -63,6 +64,11 @@ __all__ = ["GefenMuon"]
 
 _MUON_CODEC_KEYS = CodecKeys(dense="momentum_buffer")
 PHASE_STATE_DICT_PREFLIGHT = "state dict preflight"
+
+
+def _stochastic(group: Mapping[str, Any]) -> bool:
+    """The group rounds its codebook8 momentum stochastically (§6.3)."""
+    return group_uses_codebook(group) and bool(group["stochastic_round"])
 
 
 class GefenMuon(OptimizerShell):
@@ -194,7 +200,7 @@ class GefenMuon(OptimizerShell):
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
-        if not self.uses_codebook:
+        if not group_uses_codebook(group):
             return 1  # codec "none" stores the matrix as is; no selection runs
         return select_period(view, shape, force_one=False)
 
@@ -208,7 +214,7 @@ class GefenMuon(OptimizerShell):
             return local if local.numel() > 0 else None
         if mode == "plain":
             return grad
-        if not self.uses_codebook:
+        if not group_uses_codebook(group):
             return local_tensor(grad)  # the period is 1 whatever the view; no gather needed
         return full_gradient(grad)
 
@@ -231,15 +237,18 @@ class GefenMuon(OptimizerShell):
         super()._restore_derived()
         self._momentum_kernels = {}
 
-    def _momentum_kernel(self, device_type: str) -> MomentumAdvancer | None:
-        """The fused codebook8 momentum for ``device_type``, or None for the eager reference.
+    def _momentum_kernel(
+        self, group: Mapping[str, Any], device_type: str
+    ) -> MomentumAdvancer | None:
+        """The fused codebook8 momentum of ``group`` on ``device_type``, or None for the eager
+        reference (its codec is "none", or its ``fused`` is False).
 
         Selected (and compiled) in the local preflight, then cached per optimizer and device
         type (never serialized). ``fused=True``: a compile failure raises and nothing is cached,
         so a retry selects again; ``fused=None``: one warning, then the eager path.
         """
-        fused = core_extension.resolve_default(self.defaults["fused"])
-        if fused is False or not self.uses_codebook:
+        fused = core_extension.resolve_default(group["fused"])
+        if fused is False or not group_uses_codebook(group):
             return None
         key = (device_type, fused)
         if key in self._momentum_kernels:
@@ -266,16 +275,11 @@ class GefenMuon(OptimizerShell):
         return kernel
 
     def _select_kernels(self) -> None:
-        """The local preflight's selection: every device a codebook8 momentum will run on."""
-        if not self.uses_codebook:
-            return
-        devices = {
-            local_tensor(param).device.type
-            for _, _, param in self.indexed_params()
-            if param.grad is not None
-        }
-        for device_type in sorted(devices):
-            self._momentum_kernel(device_type)
+        """The local preflight's selection: every group and device a codebook8 momentum will
+        run on."""
+        for _, group, param in self.indexed_params():
+            if param.grad is not None and group_uses_codebook(group):
+                self._momentum_kernel(group, local_tensor(param).device.type)
 
     # -- phase 4: read-only plan -------------------------------------------------------------
 
@@ -288,7 +292,6 @@ class GefenMuon(OptimizerShell):
         references to the parameters themselves); tensor lrs are read once per group.
         """
         hypers: dict[int, MuonHyper] = {}
-        stochastic = self.uses_codebook and bool(self.defaults["stochastic_round"])
 
         def planned(
             index: int, group: Mapping[str, Any], param: Tensor, mode: str
@@ -304,7 +307,7 @@ class GefenMuon(OptimizerShell):
                 period=int(learning.periods.get(index, self.state[param].get("period", 0))),
                 hyper=hyper,
                 ratio=adjust_lr_ratio(group["adjust_lr_fn"], tuple(param.shape)),
-                seed=(self._global_step, index) if stochastic else None,
+                seed=(self._global_step, index) if _stochastic(group) else None,
             )
 
         indexed = self.indexed_params()
@@ -342,7 +345,7 @@ class GefenMuon(OptimizerShell):
         if not is_initialized(entry):
             spec = self.entry_spec(planned.group, planned.param)
             fresh = allocate_entry(
-                spec, planned.period, codebook8=self.uses_codebook, device=device
+                spec, planned.period, codebook8=group_uses_codebook(planned.group), device=device
             )
             entry.clear()
             entry.update(fresh)
@@ -360,12 +363,13 @@ class GefenMuon(OptimizerShell):
         entry = self._live_entry(planned, device)
         codebook: Tensor | None = None
         advance: MomentumAdvancer | None = None
-        if self.uses_codebook:
+        if group_uses_codebook(planned.group):
             assert self._codebook is not None  # published by the shell before the commit
             codebook = codebooks.get(device)
             if codebook is None:
                 codebook = codebooks[device] = self._codebook.to(device)
-            advance = self._momentum_kernel(device.type) or eager_advance_momentum_
+            kernel = self._momentum_kernel(planned.group, device.type)
+            advance = kernel or eager_advance_momentum_
         return orthogonal_update_(
             entry,
             matrix,

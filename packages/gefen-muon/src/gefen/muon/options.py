@@ -29,13 +29,9 @@ __all__ = [
 CODECS = ("codebook8", "none")
 SHARDED_MODES = ("exact", "distributed", "approx")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-MUON_OPTIMIZER_WIDE = (
-    "momentum_codec",
-    "fused",
-    "stochastic_round",
-    "deterministic",
-    "check_finite",
-)
+# Every option may differ between groups (GefenMuon's codebook is learned once and never
+# refreshed, so nothing in it is scheduled); the one rule across groups is ``check_mode_mix``.
+MUON_OPTIMIZER_WIDE: tuple[str, ...] = ()
 MUON_FLAGS = ("nesterov", "normuon", "stochastic_round", "deterministic", "check_finite")
 _MIX_MESSAGE = (
     "GefenMuon cannot mix sharded_mode 'approx' with 'exact' or 'distributed' in one optimizer"
