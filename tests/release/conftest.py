@@ -1,6 +1,9 @@
 """Fixtures for the release tests: ``tools/release.py`` loaded as a module, and throwaway git
 repositories shaped like this one.
 
+Loading it imports its read-only rules as ``tools.release_rules`` (it puts the repository root on
+``sys.path`` for that); the tests reach the rules through the loaded module.
+
 A throwaway repository copies what the tool reads from the real tree (every package's
 ``pyproject.toml``, ``noxfile.py``, LICENSE and NOTICE) so the dependency graph and the torch
 requirements are the real ones, and writes the parts that move with real releases in a known state:
