@@ -105,6 +105,13 @@ def _poison_first_moment(saved: Any) -> bool:
     return any(_poison_any(state) for state in states) or any(_negate_counter(s) for s in states)
 
 
+def _backup_half(saved: dict[str, Any]) -> dict[str, Any]:
+    """The hybrid backup's entries of a flat checkpoint (the same dicts: poisoning them
+    poisons ``saved``)."""
+    ids = [i for group in saved["param_groups"] if not group["use_muon"] for i in group["params"]]
+    return {"state": {i: saved["state"][i] for i in ids if i in saved["state"]}}
+
+
 def _states(saved: Any) -> Any:
     if isinstance(saved, dict):
         for key, value in saved.items():
@@ -178,7 +185,9 @@ def scenario_bad_rank(
 
         saved = copy.deepcopy(optimizer.state_dict())
         if last:
-            assert _poison_first_moment(saved["backup"] if fault == "bad_backup_load" else saved)
+            assert _poison_first_moment(
+                _backup_half(saved) if fault == "bad_backup_load" else saved
+            )
 
         def action() -> Any:
             return optimizer.load_state_dict(saved)

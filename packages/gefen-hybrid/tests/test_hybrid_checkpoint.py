@@ -23,6 +23,7 @@ from gefen.core.testing import SNAPSHOT_ATTRIBUTES
 from gefen.dist import DistributedStepError
 from gefen.dist.testing import deep_snapshot, snapshot_diff
 from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.flat_layout import join, split
 from gefen.hybrid.testing import MUON_NAMES, TinyLM
 from gefen.muon import GefenMuon
 
@@ -30,10 +31,15 @@ BACKENDS = ["gefen", "adamw"]
 FORMS = ["full", "muon-only", "backup-only"]
 PREFIX = "GefenMuonHybrid checkpoint: "
 SCHEMA = (
-    PREFIX + "expects the nested {'muon', 'backup', 'backup_optimizer'} layout; standard "
-    "{'state', 'param_groups'} checkpoints (e.g. consolidated or converted FSDP/DeepSpeed "
-    "checkpoints) are not supported"
+    PREFIX + "expects torch's {'state', 'param_groups'} layout with the 'gefen_hybrid' extras "
+    "(or the nested {'muon', 'backup', 'backup_optimizer'} layout of gefen-hybrid 0.1)"
 )
+NO_EXTRAS = (
+    "GefenMuonHybrid checkpoint: torch's {'state', 'param_groups'} layout needs the 'gefen_hybrid' "
+    "extras (a checkpoint of another optimizer, or one consolidated without them, cannot be "
+    "loaded)"
+)
+NESTED_WARNING = "nested {'muon', 'backup', 'backup_optimizer'} layout of gefen-hybrid 0.1"
 LATCHED = "previous step failed during commit"
 
 
@@ -211,6 +217,11 @@ def _saved_then_stepped(
     return model, hybrid, saved
 
 
+def _nested(hybrid: GefenMuonHybrid, saved: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``saved`` as the children's own dicts (``flat_layout.split``)."""
+    return split(hybrid, copy.deepcopy(saved))
+
+
 # --------------------------------------------------------------------------------------------
 # Format and round trips
 
@@ -233,24 +244,57 @@ def _only_tensors_and_primitives(value: Any, path: str = "sd") -> None:
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_state_dict_is_nested_primitive_and_weights_only_loadable(backend: str, form: str) -> None:
+def test_state_dict_is_torchs_flat_layout_primitive_and_weights_only_loadable(
+    backend: str, form: str
+) -> None:
     _, hybrid = _build(backend, form)
     _stepped(hybrid, steps=2)
     sd = hybrid.state_dict()
     assert type(sd) is dict
-    assert list(sd) == ["muon", "backup", "backup_optimizer"]
-    assert sd["backup_optimizer"] == backend
+    assert list(sd) == ["state", "param_groups", "gefen_hybrid"]
+    extras = sd["gefen_hybrid"]
+    assert extras["backup_optimizer"] == backend
+    assert extras["format_version"] == 1
+    # One index space, as torch numbers hybrid.param_groups; groups in order, each flagged.
+    flags = [group["use_muon"] for group in sd["param_groups"]]
+    assert flags == [child is hybrid.muon for child in hybrid.children for _ in child.param_groups]
+    ids = [index for group in sd["param_groups"] for index in group["params"]]
+    assert ids == list(range(len(_params(hybrid))))
+    assert sorted(sd["state"]) == ids
+    offset = 0
     for half in ("muon", "backup"):
         child = getattr(hybrid, half)
         if child is None:
-            assert sd[half] is None
-        else:
-            _same(sd[half], child.state_dict())  # the child's public state_dict
+            assert extras[half] is None
+            continue
+        own = child.state_dict()
+        groups = [g for g in sd["param_groups"] if g["use_muon"] == (half == "muon")]
+        for group, child_group in zip(groups, own["param_groups"], strict=True):
+            assert group["params"] == [index + offset for index in child_group["params"]]
+            _same({k: v for k, v in group.items() if k not in ("params", "use_muon")},
+                  {k: v for k, v in child_group.items() if k != "params"})  # fmt: skip
+        for index, entry in own["state"].items():
+            _same(sd["state"][index + offset], entry)
+        _same(extras[half], {k: v for k, v in own.items() if k not in ("state", "param_groups")})
+        _same(split(hybrid, sd)[half], own)
+        offset += len(own["state"])
     _only_tensors_and_primitives(sd)
     buffer = io.BytesIO()
     torch.save(sd, buffer)
     buffer.seek(0)
     _same(torch.load(buffer, weights_only=True), sd)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_nested_layout_of_0_1_loads_with_one_warning(backend: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    nested = _nested(hybrid, saved)
+    with pytest.warns(FutureWarning, match=re.escape(NESTED_WARNING)) as caught:
+        hybrid.load_state_dict(nested)
+    assert len([w for w in caught if issubclass(w.category, FutureWarning)]) == 1
+    _same(hybrid.state_dict(), saved)
+    assert _counters(hybrid) == (1, 1)
+    _trains(hybrid)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -313,7 +357,7 @@ def test_state_dict_hooks_fire_once_and_the_post_hook_may_replace() -> None:
 
     def post(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
         counts["post"] += 1
-        assert list(sd) == ["muon", "backup", "backup_optimizer"]
+        assert list(sd) == ["state", "param_groups", "gefen_hybrid"]
         return {**sd, "note": "replaced"}
 
     hybrid.register_state_dict_pre_hook(pre)
@@ -327,22 +371,96 @@ def test_state_dict_hooks_fire_once_and_the_post_hook_may_replace() -> None:
 # The hybrid's own rejections: before any child method is called
 
 
-def _schema_cases(saved: dict[str, Any]) -> dict[str, Any]:
+def _schema_cases(hybrid: GefenMuonHybrid, saved: dict[str, Any]) -> dict[str, Any]:
+    nested = _nested(hybrid, saved)
     return {
-        "standard": {"state": {}, "param_groups": [{"params": [0, 1]}]},
-        "muon-as-standard": saved["muon"],
-        "list": [saved["muon"], saved["backup"]],
-        "string": "checkpoint.pt",
+        "standard": ({"state": {}, "param_groups": [{"params": [0, 1]}]}, NO_EXTRAS),
+        "muon-as-standard": (nested["muon"], NO_EXTRAS),
+        "list": ([nested["muon"], nested["backup"]], SCHEMA),
+        "string": ("checkpoint.pt", SCHEMA),
+        "neither": ({"optimizer": saved}, SCHEMA),
     }
 
 
-@pytest.mark.parametrize("case", ["standard", "muon-as-standard", "list", "string"])
+@pytest.mark.parametrize("case", ["standard", "muon-as-standard", "list", "string", "neither"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_schema_rejections(backend: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _, hybrid, saved = _saved_then_stepped(backend)
     calls = _watch_children(hybrid, monkeypatch)
-    _rejects_load(hybrid, _schema_cases(saved)[case], SCHEMA)
+    checkpoint, message = _schema_cases(hybrid, saved)[case]
+    _rejects_load(hybrid, checkpoint, message)
     assert calls == []
+
+
+FLAT_CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "flag-int": (
+        lambda sd: sd["param_groups"][0].__setitem__("use_muon", 1),
+        "param_groups[0]['use_muon'] must be a bool, got 1",
+    ),
+    "flag-missing": (
+        lambda sd: sd["param_groups"][0].pop("use_muon"),
+        "param_groups[0]['use_muon'] must be a bool, got None",
+    ),
+    "params-str": (
+        lambda sd: sd["param_groups"][0].__setitem__("params", ["0"]),
+        "param_groups[0]['params'] must be a list of int ids",
+    ),
+    "groups-dict": (
+        lambda sd: sd.__setitem__("param_groups", {}),
+        "'param_groups' must be a list, got dict",
+    ),
+    "group-list": (
+        lambda sd: sd["param_groups"].__setitem__(0, []),
+        "param_groups[0] must be a dict",
+    ),
+    "state-list": (lambda sd: sd.__setitem__("state", []), "'state' must be a dict, got list"),
+    "version": (
+        lambda sd: sd["gefen_hybrid"].__setitem__("format_version", 2),
+        "'gefen_hybrid' format_version must be 1",
+    ),
+    "extras-key": (
+        lambda sd: sd["gefen_hybrid"].__setitem__("colour", "red"),
+        "'gefen_hybrid' keys must be",
+    ),
+    "child-extras": (
+        lambda sd: sd["gefen_hybrid"].__setitem__("muon", {"state": {}}),
+        "'gefen_hybrid' 'muon' must be None or a dict of its extras",
+    ),
+    "routed-to-none": (
+        lambda sd: sd["gefen_hybrid"].__setitem__("muon", None),
+        "param groups route to 'muon' but its extras are None",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLAT_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_layout_rejections(backend: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the split itself needs is checked before any child method runs."""
+    _, hybrid, saved = _saved_then_stepped(backend)
+    corrupt, fragment = FLAT_CASES[case]
+    broken = copy.deepcopy(saved)
+    corrupt(broken)
+    calls = _watch_children(hybrid, monkeypatch)
+    _rejects_load(hybrid, broken, PREFIX + fragment, exact=False)
+    assert calls == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_id_past_a_missing_child_is_rejected(backend: str) -> None:
+    """In a Muon-only hybrid an id past the Muon child's would belong to no child at all."""
+    _, hybrid, saved = _saved_then_stepped(backend, "muon-only")
+    broken = copy.deepcopy(saved)
+    broken["state"][99] = copy.deepcopy(broken["state"][0])
+    _rejects_load(hybrid, broken, PREFIX + "state key 99 names no parameter of any param group")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_flipped_use_muon_flag_reaches_the_children_as_a_group_count(backend: str) -> None:
+    _, hybrid, saved = _saved_then_stepped(backend)
+    broken = copy.deepcopy(saved)
+    broken["param_groups"][0]["use_muon"] = False  # the Muon group now routes to the backup
+    _rejects_load(hybrid, broken, "checkpoint: ", exact=False)
 
 
 def _lacks(half: str) -> str:
@@ -360,13 +478,15 @@ def test_a_missing_half_is_rejected(
     backend: str, half: str, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, hybrid, saved = _saved_then_stepped(backend)
-    broken = copy.deepcopy(saved)
-    if how == "none":
+    broken = _nested(hybrid, saved)
+    if how == "none":  # the flat layout: its extras None, no group routed to it
         broken[half] = None
-    else:
+        checkpoint: dict[str, Any] = join(broken)
+    else:  # the nested layout of 0.1, without the key
         del broken[half]
+        checkpoint = broken
     calls = _watch_children(hybrid, monkeypatch)
-    _rejects_load(hybrid, broken, _lacks(half))
+    _rejects_load(hybrid, checkpoint, _lacks(half))
     assert calls == []
 
 
@@ -414,8 +534,8 @@ def test_a_wrong_or_missing_tag_is_rejected(
     backend: str, tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, hybrid, saved = _saved_then_stepped(backend)
-    broken = copy.deepcopy(saved)
-    if tag == "untagged":
+    broken = _nested(hybrid, saved)
+    if tag == "untagged":  # the nested layout of 0.1 without its tag
         del broken["backup_optimizer"]
         saved_tag: object = None
     elif tag == "none-value":
@@ -424,8 +544,9 @@ def test_a_wrong_or_missing_tag_is_rejected(
     else:
         saved_tag = backend.upper() if tag == "GEFEN" else tag
         broken["backup_optimizer"] = saved_tag
+    checkpoint = broken if tag == "untagged" else join(broken)
     calls = _watch_children(hybrid, monkeypatch)
-    _rejects_load(hybrid, broken, _tag_message(saved_tag, backend))
+    _rejects_load(hybrid, checkpoint, _tag_message(saved_tag, backend))
     assert calls == []
 
 
@@ -433,13 +554,13 @@ def test_a_gefen_tagged_checkpoint_without_backup_loads_into_an_adamw_muon_only_
     _, gefen_hybrid = _build("gefen", "muon-only")
     _stepped(gefen_hybrid)
     sd = copy.deepcopy(gefen_hybrid.state_dict())
-    assert sd["backup"] is None
-    assert sd["backup_optimizer"] == "gefen"
+    assert sd["gefen_hybrid"]["backup"] is None
+    assert sd["gefen_hybrid"]["backup_optimizer"] == "gefen"
     _, adamw_hybrid = _build("adamw", "muon-only")
     _stepped(adamw_hybrid, steps=2)
     adamw_hybrid.load_state_dict(sd)  # the tag is only checked when a backup half exists
-    _same(adamw_hybrid.state_dict()["muon"], sd["muon"])
-    assert adamw_hybrid.state_dict()["backup_optimizer"] == "adamw"
+    _same(adamw_hybrid.state_dict()["state"], sd["state"])
+    assert adamw_hybrid.state_dict()["gefen_hybrid"]["backup_optimizer"] == "adamw"
     _trains(adamw_hybrid)
 
 
@@ -451,7 +572,7 @@ def test_a_gefen_tagged_checkpoint_without_backup_loads_into_an_adamw_muon_only_
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_child_rejection_keeps_its_own_prefix(backend: str, half: str) -> None:
     _, hybrid, saved = _saved_then_stepped(backend)
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     group = broken[half]["param_groups"][0]
     group["params"] = group["params"][:-1]  # one parameter id short
     if half == "muon":
@@ -460,7 +581,7 @@ def test_a_child_rejection_keeps_its_own_prefix(backend: str, half: str) -> None
         prefix = "Gefen checkpoint: "
     else:
         prefix = PREFIX + "AdamW backup: "
-    error = _rejects_load(hybrid, broken, prefix, exact=False)
+    error = _rejects_load(hybrid, join(broken), prefix, exact=False)
     assert str(error).startswith(prefix)
     if half == "muon" or backend == "gefen":
         assert not str(error).startswith(PREFIX)
@@ -472,13 +593,13 @@ def test_a_backup_group_count_rejection_leaves_muon_byte_identical(backend: str)
     assert hybrid.backup is not None
     assert len(hybrid.backup.param_groups) == 2
     assert hybrid.muon is not None
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     broken["backup"]["param_groups"] = broken["backup"]["param_groups"][:1]
     muon_state = hybrid.muon.state
     muon_ids = _tensor_ids(list(hybrid.muon.state.values()))
     codebook = hybrid.muon.codebook
     prefix = "Gefen checkpoint: " if backend == "gefen" else PREFIX + "AdamW backup: "
-    error = _rejects_load(hybrid, broken, prefix + "the group count 1 differs", exact=False)
+    error = _rejects_load(hybrid, join(broken), prefix + "the group count 1 differs", exact=False)
     assert str(error).startswith(prefix)
     # _rejects_load already compared both deep snapshots (bytes and identities) and then took
     # one training step; the Muon objects are still the very same ones.
@@ -492,13 +613,13 @@ def test_a_backup_group_count_rejection_commits_no_muon_state(backend: str) -> N
     # The same rejection, checked without the training step: ids of every Muon tensor kept.
     _, hybrid, saved = _saved_then_stepped(backend, no_decay_substrings=("bias", "norm"))
     assert hybrid.muon is not None
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     broken["backup"]["param_groups"] = broken["backup"]["param_groups"][:1]
     entries = {id(p): dict(entry) for p, entry in hybrid.muon.state.items()}
     ids = _tensor_ids(entries)
     before = deep_snapshot(hybrid.muon, attributes=SNAPSHOT_ATTRIBUTES)
     with pytest.raises(ValueError, match="the group count 1 differs"):
-        hybrid.load_state_dict(broken)
+        hybrid.load_state_dict(join(broken))
     assert snapshot_diff(before, deep_snapshot(hybrid.muon, attributes=SNAPSHOT_ATTRIBUTES)) == []
     after = {id(p): dict(entry) for p, entry in hybrid.muon.state.items()}
     assert _tensor_ids(after) == ids
@@ -508,10 +629,10 @@ def test_a_backup_group_count_rejection_commits_no_muon_state(backend: str) -> N
 @pytest.mark.parametrize("key", ["step", "exp_avg", "exp_avg_sq"])
 def test_an_adamw_entry_missing_a_key_is_rejected(key: str) -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     entry_id = broken["backup"]["param_groups"][0]["params"][0]
     del broken["backup"]["state"][entry_id][key]
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert f"missing '{key}'" in str(error)
 
 
@@ -520,12 +641,12 @@ def test_an_adamw_entry_missing_a_key_is_rejected(key: str) -> None:
 )
 def test_an_adamw_entry_with_a_bad_step_is_rejected(step: object) -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     entry_id = broken["backup"]["param_groups"][0]["params"][0]
     broken["backup"]["state"][entry_id]["step"] = (
         torch.tensor(step) if isinstance(step, float) else step
     )
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert "'step'" in str(error)
 
 
@@ -533,22 +654,22 @@ def test_an_adamw_entry_with_a_bad_step_is_rejected(step: object) -> None:
 def test_an_adamw_entry_with_a_meta_or_sparse_step_is_rejected_by_name(kind: str) -> None:
     # It used to raise torch's RuntimeError (".item() on meta", "reshape ... sparse").
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     entry_id = broken["backup"]["param_groups"][0]["params"][0]
     step = torch.tensor([3.0])
     bad = torch.empty_like(step, device="meta") if kind == "meta" else step.to_sparse()
     broken["backup"]["state"][entry_id]["step"] = bad
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert "'step' must be a dense tensor holding data" in str(error)
 
 
 def test_an_adamw_entry_with_a_wrong_shape_is_rejected() -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     entry_id = broken["backup"]["param_groups"][0]["params"][0]
     entry = broken["backup"]["state"][entry_id]
     entry["exp_avg"] = entry["exp_avg"].flatten()
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert "'exp_avg' must be a tensor of shape" in str(error)
 
 
@@ -574,8 +695,8 @@ def test_a_raising_child_load_post_hook_leaves_both_children_committed(
     # Both halves hold the checkpoint, not the live state one step ahead of it.
     assert hybrid.muon is not None
     assert hybrid.backup is not None
-    _same(hybrid.muon.state_dict(), saved["muon"])
-    _same(hybrid.backup.state_dict(), saved["backup"])
+    _same(hybrid.muon.state_dict(), _nested(hybrid, saved)["muon"])
+    _same(hybrid.backup.state_dict(), _nested(hybrid, saved)["backup"])
     assert _counters(hybrid) == (1, 1)
     assert not hybrid._commit_failed
     _trains(hybrid)
@@ -592,14 +713,16 @@ def test_load_pre_hooks_run_on_a_copy(backend: str) -> None:
     def mutating(optimizer: Any, sd: dict[str, Any]) -> None:
         assert optimizer is hybrid
         received.append(sd)
-        sd["muon"]["param_groups"][0]["lr"] = 0.125
-        sd["backup"]["param_groups"][0]["lr"] = 0.25
+        muon_group, backup_group = (
+            next(g for g in sd["param_groups"] if g["use_muon"] is flag) for flag in (True, False)
+        )
+        muon_group["lr"] = 0.125
+        backup_group["lr"] = 0.25
         sd["note"] = "added by the hook"
-        for half in ("muon", "backup"):
-            for entry in sd[half]["state"].values():  # entry dicts are copies too
-                for key, value in list(entry.items()):
-                    if isinstance(value, torch.Tensor):
-                        entry[key] = value.clone()
+        for entry in sd["state"].values():  # entry dicts are copies too
+            for key, value in list(entry.items()):
+                if isinstance(value, torch.Tensor):
+                    entry[key] = value.clone()
 
     hybrid.register_load_state_dict_pre_hook(mutating)
     hybrid.load_state_dict(caller)
@@ -642,18 +765,18 @@ def test_the_hybrid_load_post_hook_fires_once_after_success_never_after_rejectio
     fired: list[Any] = []
     hybrid.register_load_state_dict_post_hook(lambda optimizer: fired.append(optimizer))
     rejected = [
-        {**copy.deepcopy(saved), "backup_optimizer": "sgd"},
+        join({**_nested(hybrid, saved), "backup_optimizer": "sgd"}),
         {"state": {}, "param_groups": []},
-        {**copy.deepcopy(saved), "muon": None},
+        join({**_nested(hybrid, saved), "muon": None}),
     ]
     for sd in rejected:
         with pytest.raises(ValueError, match=re.escape(PREFIX)):
             hybrid.load_state_dict(sd)
         assert fired == []
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     broken["muon"]["param_groups"] = []
     with pytest.raises(ValueError, match="GefenMuon checkpoint: "):
-        hybrid.load_state_dict(broken)
+        hybrid.load_state_dict(join(broken))
     assert fired == []
     hybrid.load_state_dict(saved)
     assert fired == [hybrid]
@@ -698,11 +821,11 @@ def test_a_successful_load_clears_the_hybrid_latch_and_the_childrens(
         hybrid.step()
     # A rejected load (hybrid rule, then a child rule) keeps every latch.
     with pytest.raises(ValueError, match=re.escape(PREFIX)):
-        hybrid.load_state_dict({**saved, "backup_optimizer": "sgd"})
-    broken = copy.deepcopy(saved)
+        hybrid.load_state_dict(join({**_nested(hybrid, saved), "backup_optimizer": "sgd"}))
+    broken = _nested(hybrid, saved)
     broken["muon"]["param_groups"] = []
     with pytest.raises(ValueError, match="GefenMuon checkpoint: "):
-        hybrid.load_state_dict(broken)
+        hybrid.load_state_dict(join(broken))
     assert hybrid._commit_failed
     with pytest.raises(RuntimeError, match=LATCHED):
         hybrid.step()
@@ -733,11 +856,11 @@ ADAMW_BAD_MOMENTS = {
 def test_an_adamw_entry_with_bad_moment_values_is_rejected(case: str) -> None:
     key, corrupt, fragment = ADAMW_BAD_MOMENTS[case]
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     entry_id = broken["backup"]["param_groups"][0]["params"][0]
     entry = broken["backup"]["state"][entry_id]
     entry[key] = corrupt(entry[key])
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert fragment in str(error)
 
 
@@ -754,9 +877,9 @@ def test_an_adamw_group_with_a_bad_option_is_rejected(
     key: str, value: object, fragment: str
 ) -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     broken["backup"]["param_groups"][0][key] = value
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: group 0: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: group 0: ", exact=False)
     assert fragment in str(error)
 
 
@@ -764,27 +887,27 @@ def test_re_keyed_adamw_ids_are_rejected() -> None:
     # torch's state_dict numbers parameters 0..n-1 in group order; a permuted numbering maps
     # moments onto other parameters (of the same shape: no shape check could notice).
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     groups = broken["backup"]["param_groups"]
     ids = [ident for group in groups for ident in group["params"]]
     assert len(ids) >= 2
     groups[0]["params"] = [ids[1], ids[0], *groups[0]["params"][2:]]
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert "parameter ids must be 0.." in str(error)
 
 
 def test_an_adamw_entry_for_an_unlisted_id_is_rejected() -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     state = broken["backup"]["state"]
     state[len(state) + 7] = copy.deepcopy(next(iter(state.values())))
-    error = _rejects_load(hybrid, broken, PREFIX + "AdamW backup: ", exact=False)
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
     assert "entries for parameter ids no group lists" in str(error)
 
 
 def test_a_dropped_adamw_entry_warns_that_its_moments_restart() -> None:
     _, hybrid, saved = _saved_then_stepped("adamw")
-    broken = copy.deepcopy(saved)
+    broken = _nested(hybrid, saved)
     del broken["backup"]["state"][0]
     with pytest.warns(UserWarning, match=r"no entry for parameter ids \[0\].*restart from zero"):
-        hybrid.load_state_dict(broken)
+        hybrid.load_state_dict(join(broken))

@@ -39,6 +39,7 @@ from gefen.core.testing import weights_only_round_trip as _roundtrip
 from gefen.dist import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
 from gefen.dist.testing import deep_snapshot, snapshot_diff
 from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.flat_layout import join, split
 from gefen.hybrid.testing import MUON_NAMES, TinyLM
 from gefen.muon import GefenMuon
 
@@ -585,7 +586,7 @@ def test_scoped_hybrid_steps_and_round_trips(mode: str) -> None:
     sd = source.hybrid.state_dict()
     expected = {"identity": SOLO.to_primitive(), "refresh_every": 0}
     for half in ("muon", "backup"):
-        assert sd[half]["gefen"]["scope"] == expected
+        assert sd["gefen_hybrid"][half]["gefen"]["scope"] == expected
     target = make(mode, seed=4)
     target.finalize()
     for fqn in target.names:
@@ -624,9 +625,10 @@ def test_scope_mismatch_rejects_the_whole_load(case: str) -> None:
 def test_scope_mismatch_in_the_backup_half_leaves_the_muon_half_untouched() -> None:
     """Only the backup half's scope differs: the Muon half validates, the backup refuses, and
     neither child is committed."""
-    scoped = _trained("solo").hybrid.state_dict()
-    unscoped_backup = _trained("ungrouped").hybrid.state_dict()["backup"]
-    sd = {"muon": scoped["muon"], "backup": unscoped_backup, "backup_optimizer": "gefen"}
+    solo, ungrouped = _trained("solo").hybrid, _trained("ungrouped").hybrid
+    scoped = split(solo, solo.state_dict())
+    unscoped_backup = split(ungrouped, ungrouped.state_dict())["backup"]
+    sd = join({"muon": scoped["muon"], "backup": unscoped_backup, "backup_optimizer": "gefen"})
     target = make("solo", seed=2)
     target.finalize()
     trains(target.hybrid, seed=30)

@@ -749,7 +749,7 @@ def test_backup_commit_failure_latches_the_hybrid_until_a_load(
     _rejects(hybrid, hybrid.step, RuntimeError, LATCHED, check_training=False)
     # A rejected load does not clear the latch.
     broken = copy.deepcopy(saved)
-    broken["backup_optimizer"] = "sgd"
+    broken["gefen_hybrid"]["backup_optimizer"] = "sgd"
     with pytest.raises(ValueError, match="GefenMuonHybrid checkpoint"):
         hybrid.load_state_dict(broken)
     _set_grads(hybrid, 18)

@@ -33,9 +33,9 @@ from gefen.contracts import (
     StateScope,
 )
 from gefen.contracts.conformance import check_provider, check_state_dict
-from gefen.core import Gefen
 from gefen.core.testing import weights_only_round_trip as _round_trip
 from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.flat_layout import split
 from gefen.hybrid.testing import OneHiddenLM as TinyLM
 from gefen.hybrid.testing import assert_same_hybrid, hybrid_snapshot
 
@@ -269,7 +269,7 @@ def test_adamw_backup_with_named_groups_is_bit_identical_to_adamw(
             assert torch.equal(ours[name].detach(), theirs[name].detach()), (step, name)
             assert _entries_equal(hybrid.backup.state[ours[name]], reference.state[theirs[name]])
     expected = reference.state_dict()
-    actual = hybrid.state_dict()["backup"]
+    actual = split(hybrid, hybrid.state_dict())["backup"]
     assert actual["param_groups"] == expected["param_groups"]
     assert actual["state"].keys() == expected["state"].keys()
     for key in expected["state"]:
@@ -810,16 +810,16 @@ def test_state_dict_and_load_hooks_fire_once_each(backend: str) -> None:
     def load_pre(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
         calls.append("load-pre")
         seen.append(sd)
-        return {**sd, "backup_optimizer": backend}
+        return {**sd, "gefen_hybrid": {**sd["gefen_hybrid"], "backup_optimizer": backend}}
 
     hybrid.register_load_state_dict_pre_hook(load_pre)
     hybrid.register_load_state_dict_post_hook(lambda opt: calls.append("load-post"))
-    # The pre-hook's replacement is what loads: the caller's dict lacks the tag.
-    untagged = {key: value for key, value in saved.items() if key != "backup_optimizer"}
+    # The pre-hook's replacement is what loads: the caller's dict has a foreign tag.
+    untagged = {**saved, "gefen_hybrid": {**saved["gefen_hybrid"], "backup_optimizer": "sgd"}}
     hybrid.load_state_dict(untagged)
     assert calls == ["load-pre", "load-post"]
     assert seen[0] is not untagged
-    assert "backup_optimizer" not in untagged
+    assert untagged["gefen_hybrid"]["backup_optimizer"] == "sgd"
     _trains(hybrid)
 
 
@@ -933,13 +933,17 @@ def test_contract(config: str, stepped: bool) -> None:
     contract = _checked_contract(hybrid)
     assert contract.implementation == "gefen.hybrid.GefenMuonHybrid"
     layout = contract.state_layout
-    assert layout.composite_namespaces == ("muon", "backup")
-    assert layout.parameter_variants == ()
-    assert [field.name for field in layout.fields] == ["backup_optimizer"]
-    tag = layout.fields[0]
-    assert tag.scope is StateScope.OPTIMIZER_COMMON
-    assert tag.geometry is StateGeometry.OPAQUE
-    assert tag.checkpointed is True
+    assert layout.composite_namespaces == ()  # torch's flat layout, one index space
+    extras = layout.fields[0]
+    assert extras.name == "gefen_hybrid"
+    assert extras.scope is StateScope.OPTIMIZER_COMMON
+    assert extras.geometry is StateGeometry.OPAQUE
+    assert extras.checkpointed is True
+    assert all(field.scope is StateScope.PARAMETER for field in layout.fields[1:])
+    roles = {variant.name.split("/")[0] for variant in layout.parameter_variants}
+    assert roles == {
+        role for role, child in (("muon", hybrid.muon), ("backup", hybrid.backup)) if child
+    }
     # Children, in fixed order, absent ones omitted.
     expected_roles = [
         role for role, child in (("muon", hybrid.muon), ("backup", hybrid.backup)) if child
@@ -1014,28 +1018,24 @@ def test_contract(config: str, stepped: bool) -> None:
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
 @pytest.mark.parametrize("config", list(CONFIGURATIONS))
-def test_conformance_accepts_the_nested_state_dict(config: str, stepped: bool) -> None:
+def test_conformance_accepts_the_flat_state_dict(config: str, stepped: bool) -> None:
     hybrid = CONFIGURATIONS[config]()
     if stepped:
         _stepped(hybrid)
     contract = _checked_contract(hybrid)
     state_dict = hybrid.state_dict()
-    assert set(state_dict) == {"muon", "backup", "backup_optimizer"}
+    assert set(state_dict) == {"state", "param_groups", "gefen_hybrid"}
     result = check_state_dict(contract, state_dict)
-    expected: set[str] = set()
+    assert set(result) == set(state_dict["state"])
+    muon_ids = [i for g in state_dict["param_groups"] if g["use_muon"] for i in g["params"]]
+    for key, names in result.items():
+        role = "muon" if key in muon_ids else "backup"
+        assert any(name.startswith(f"{role}/") for name in names), (key, names)
     if hybrid.muon is not None:
-        expected |= {f"muon/{key}" for key in state_dict["muon"]["state"]}
-    if isinstance(hybrid.backup, Gefen):
-        expected |= {f"backup/{key}" for key in state_dict["backup"]["state"]}
-    assert set(result) == expected
-    if hybrid.muon is not None:
-        variant = "q8" if stepped else "uninitialized"
-        assert result["muon/0"] == (variant,)
-    # The checker is not vacuous: a stray top-level key or a missing namespace is caught.
+        variant = "muon/q8" if stepped else "muon/uninitialized"
+        assert variant in result[0]
+    # The checker is not vacuous: a stray top-level key or missing extras are caught.
     with pytest.raises(ConformanceError):
         check_state_dict(contract, {**state_dict, "stray": 1})
-    present = "muon" if hybrid.muon is not None else "backup"
     with pytest.raises(ConformanceError):
-        check_state_dict(contract, {k: v for k, v in state_dict.items() if k != present})
-    with pytest.raises(ConformanceError):
-        check_state_dict(contract, {k: v for k, v in state_dict.items() if k != "backup_optimizer"})
+        check_state_dict(contract, {k: v for k, v in state_dict.items() if k != "gefen_hybrid"})

@@ -48,9 +48,9 @@ PREFLIGHT_OTHER = "GefenMuonHybrid step preflight failed on another process-grou
 LOAD_LOCAL = "GefenMuonHybrid load validation failed on local rank 1: "
 LOAD_OTHER = "GefenMuonHybrid load validation failed on another process-group member"
 SCHEMA = (
-    "GefenMuonHybrid checkpoint: expects the nested {'muon', 'backup', 'backup_optimizer'} "
-    "layout; standard {'state', 'param_groups'} checkpoints (e.g. consolidated or converted "
-    "FSDP/DeepSpeed checkpoints) are not supported"
+    "GefenMuonHybrid checkpoint: torch's {'state', 'param_groups'} layout needs the 'gefen_hybrid' "
+    "extras (a checkpoint of another optimizer, or one consolidated without them, cannot be "
+    "loaded)"
 )
 CHILD_CAUSE = "GefenMuon checkpoint: unknown extras key 'colour'"
 ADAMW_CAUSE = "GefenMuonHybrid checkpoint: AdamW backup: group 0 entry 0: missing 'step'"
@@ -488,6 +488,8 @@ def scenario_adamw_file(rank: int, world_size: int, case: str) -> dict[str, Any]
     ranks swap their files (``"swapped"``)."""
     import torch.distributed as dist
 
+    from gefen.hybrid.flat_layout import join, split
+
     model = _model("full")
     hybrid = _hybrid(model, backup_optimizer="adamw")
     _backward(model, rank, seed=0)
@@ -497,7 +499,8 @@ def scenario_adamw_file(rank: int, world_size: int, case: str) -> dict[str, Any]
     hybrid.step()
     fresh = copy.deepcopy(hybrid.state_dict())
     # Only the AdamW half is stale: a stale Muon half is a replica the load vote catches first.
-    chosen = {**fresh, "backup": stale["backup"]} if rank == 1 else fresh
+    stale_backup = split(hybrid, stale)["backup"]
+    chosen = join({**split(hybrid, fresh), "backup": stale_backup}) if rank == 1 else fresh
     if case == "swapped":
         files: list[Any] = [None, None]
         dist.all_gather_object(files, fresh)
@@ -508,7 +511,7 @@ def scenario_adamw_file(rank: int, world_size: int, case: str) -> dict[str, Any]
         lambda: hybrid.load_state_dict(chosen),
         recover=lambda: hybrid.load_state_dict(fresh),
     )
-    result["header"] = "rank_local" in fresh["backup"]
+    result["header"] = "rank_local" in fresh["gefen_hybrid"]["backup"]
     return result
 
 
@@ -525,11 +528,13 @@ def scenario_load_rejection(rank: int, world_size: int, case: str) -> dict[str, 
         if case == "schema":
             sd = {"state": {}, "param_groups": []}
         elif case == "child":  # a child-level rejection: the Muon half's extras are corrupt
-            sd["muon"]["gefen"]["colour"] = "red"
-            for group in sd["muon"]["param_groups"]:
-                group["gefen"]["colour"] = "red"
+            sd["gefen_hybrid"]["muon"]["gefen"]["colour"] = "red"
+            for group in sd["param_groups"]:
+                if group["use_muon"]:
+                    group["gefen"]["colour"] = "red"
         else:  # the AdamW backup's staging rejects an entry without "step"
-            del sd["backup"]["state"][0]["step"]
+            first = next(g for g in sd["param_groups"] if not g["use_muon"])["params"][0]
+            del sd["state"][first]["step"]
     fired: list[int] = []
     hybrid.register_load_state_dict_post_hook(lambda opt: fired.append(1))
     before = _capture(hybrid)

@@ -1,8 +1,9 @@
-"""The hybrid's nested checkpoint and its atomic load (docs/hybrid.md §8).
+"""The hybrid's checkpoint and its atomic load (docs/hybrid.md §8).
 
-``prepare_hybrid_load`` runs steps 1–5 (pre-hooks on a copy, schema, half presence, backend tag,
-staging of both children) and returns a ``PreparedHybridLoad``; the shared load template of
-``gefen.core.transaction`` votes it, agrees, commits and fires the post-hooks.
+``prepare_hybrid_load`` runs steps 1–5 (pre-hooks on a copy, the split of torch's flat layout
+into the children's dicts, half presence, backend tag, staging of both children) and returns a
+``PreparedHybridLoad``; the shared load template of ``gefen.core.transaction`` votes it, agrees,
+commits and fires the post-hooks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gefen.dist.codebook_scope import OP_LOAD
 from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_hooks
 from gefen.hybrid.adamw_participant import PreparedChildLoad
 from gefen.hybrid.composite import child_presence_mask
+from gefen.hybrid.flat_layout import join, split
 
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
@@ -25,20 +27,16 @@ if TYPE_CHECKING:
 __all__ = ["PreparedHybridLoad", "build_hybrid_state_dict", "prepare_hybrid_load"]
 
 _PREFIX = "GefenMuonHybrid checkpoint: "
-_SCHEMA = (
-    _PREFIX + "expects the nested {'muon', 'backup', 'backup_optimizer'} layout; standard "
-    "{'state', 'param_groups'} checkpoints (e.g. consolidated or converted FSDP/DeepSpeed "
-    "checkpoints) are not supported"
-)
 
 
 def build_hybrid_state_dict(hybrid: HybridInterface) -> dict[str, Any]:
-    """The nested dict of §8, from the children's public ``state_dict()`` (their hooks fire)."""
-    saved: dict[str, Any] = {"muon": None, "backup": None}
+    """torch's flat layout (``gefen.hybrid.flat_layout.join``) of the children's public
+    ``state_dict()`` (their hooks fire)."""
+    nested: dict[str, Any] = {"muon": None, "backup": None}
     for role, participant in hybrid.participants:
-        saved[role] = participant.state_dict()
-    saved["backup_optimizer"] = hybrid.backup_optimizer
-    return saved
+        nested[role] = participant.state_dict()
+    nested["backup_optimizer"] = hybrid.backup_optimizer
+    return join(nested)
 
 
 @dataclass(eq=False)
@@ -100,11 +98,10 @@ def prepare_hybrid_load(hybrid: HybridInterface, state_dict: Any) -> PreparedHyb
     """Steps 1–5 of §8: nothing of the hybrid, its children or the caller's dict changes."""
     hybrid.check_layout()
     copied = copy_with_load_pre_hooks(hybrid, copy_containers(state_dict))
-    if not isinstance(copied, Mapping) or ("muon" not in copied and "backup" not in copied):
-        raise ValueError(_SCHEMA)
-    _check_halves(hybrid, copied)
+    nested = split(hybrid, copied)
+    _check_halves(hybrid, nested)
     staged = {
-        role: participant.prepare_load_state_dict(copied[role])
+        role: participant.prepare_load_state_dict(nested[role])
         for role, participant in hybrid.participants
     }
     return PreparedHybridLoad(hybrid, staged.get("muon"), staged.get("backup"))

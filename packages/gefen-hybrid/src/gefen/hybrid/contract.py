@@ -1,12 +1,14 @@
 """``GefenMuonHybrid.optimizer_contract()`` (docs/hybrid.md §9): a pure read.
 
-The hybrid's checkpoint nests its children's under the namespaces ``muon`` and ``backup``, so its
-own layout declares only those namespaces and the ``backup_optimizer`` tag; each Gefen child
-carries its own contract, an AdamW child none.
+The hybrid's checkpoint is torch's flat layout over both children (``gefen.hybrid.flat_layout``),
+so its layout declares the ``gefen_hybrid`` extras, every per-parameter field of its children
+(each name once) and their variants under the child's role (``muon/q8``, ``backup/adamw``); each
+Gefen child also carries its own contract, an AdamW child none.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gefen.contracts import (
@@ -19,12 +21,15 @@ from gefen.contracts import (
     ParameterLayout,
     Precision,
     ProcessGroupScope,
+    StateExtent,
     StateField,
     StateGeometry,
     StateScope,
+    StateVariant,
     TrainingSupport,
 )
 from gefen.hybrid.adamw_preflight import fp16_safe
+from gefen.hybrid.flat_layout import EXTRAS_KEY
 
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["hybrid_contract"]
 
 _ADAMW_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD})
+_GLOBAL = StateExtent.GLOBAL_PARAMETER
 _ALL_PRECISIONS = frozenset(
     {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
 )
@@ -88,6 +94,49 @@ def _native_layouts(child: OptimizerChildContract) -> frozenset[ParameterLayout]
     return frozenset().union(*native)
 
 
+def _adamw_layout() -> OptimizerStateLayout:
+    """What a torch AdamW backup keeps per parameter (amsgrad adds one moment)."""
+    moments = ("step", "exp_avg", "exp_avg_sq")
+    geometry = {"step": StateGeometry.SCALAR}
+    fields = tuple(
+        StateField(
+            name=name,
+            scope=StateScope.PARAMETER,
+            geometry=geometry.get(name, StateGeometry.PARAMETER),
+            checkpointed=True,
+        )
+        for name in (*moments, "max_exp_avg_sq")
+    )
+    variants = tuple(
+        StateVariant(name=name, fields=keys, layouts=_ADAMW_LAYOUTS, extent=_GLOBAL)
+        for name, keys in (("adamw", moments), ("adamw_amsgrad", (*moments, "max_exp_avg_sq")))
+    )
+    return OptimizerStateLayout(fields=fields, parameter_variants=variants)
+
+
+def _flat_layout(children: tuple[OptimizerChildContract, ...]) -> OptimizerStateLayout:
+    """The extras field, each child's per-parameter fields (first declaration of a name wins),
+    and each child's variants named ``<role>/<variant>``."""
+    fields: dict[str, StateField] = {
+        EXTRAS_KEY: StateField(
+            name=EXTRAS_KEY,
+            scope=StateScope.OPTIMIZER_COMMON,
+            geometry=StateGeometry.OPAQUE,
+            checkpointed=True,
+            description="format version, backup backend ('gefen' or 'adamw'), and each "
+            "child's own top-level extras (None for an absent child)",
+        )
+    }
+    variants: list[StateVariant] = []
+    for child in children:
+        own = _adamw_layout() if child.contract is None else child.contract.state_layout
+        for declared in own.fields:
+            if declared.scope is StateScope.PARAMETER:
+                fields.setdefault(declared.name, declared)
+        variants += [replace(v, name=f"{child.role}/{v.name}") for v in own.parameter_variants]
+    return OptimizerStateLayout(fields=tuple(fields.values()), parameter_variants=tuple(variants))
+
+
 def hybrid_contract(hybrid: HybridInterface) -> OptimizerContract:
     """Build the composite contract from the live children; reads only."""
     children = _children(hybrid)
@@ -114,19 +163,7 @@ def hybrid_contract(hybrid: HybridInterface) -> OptimizerContract:
         requires_collective=collective,
         atomic_load=True,
     )
-    layout = OptimizerStateLayout(
-        fields=(
-            StateField(
-                name="backup_optimizer",
-                scope=StateScope.OPTIMIZER_COMMON,
-                geometry=StateGeometry.OPAQUE,
-                checkpointed=True,
-                description="the backup backend, 'gefen' or 'adamw'",
-            ),
-        ),
-        parameter_variants=(),
-        composite_namespaces=("muon", "backup"),
-    )
+    layout = _flat_layout(children)
     forwards = hybrid.backup_optimizer != "adamw" or hybrid.backup is None
     capabilities = OptimizerCapabilities(
         training=tuple(training),

@@ -73,7 +73,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     decision, then Muon's streamed commit and the backup's; a failure in either commit latches
     the hybrid. ``lr`` is the backup's; ``muon_lr`` defaults to it with
     ``adjust_lr_fn="match_rms_adamw"`` so AdamW learning rates and weight decay carry over.
-    The checkpoint nests the children's: ``{"muon", "backup", "backup_optimizer"}``.
+    The checkpoint is torch's flat ``{"state", "param_groups"}`` over both children, with their
+    extras under ``"gefen_hybrid"`` (``gefen.hybrid.flat_layout``).
 
     ``muon_named_params`` is a module, ``(name, parameter)`` pairs, the Muon list of the
     two-list form (``backup_named_params`` the other), or torch-style param-group dicts with a
