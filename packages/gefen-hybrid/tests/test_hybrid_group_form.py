@@ -273,18 +273,33 @@ def test_a_parameter_repeated_in_a_backup_group_round_trips(backend: str) -> Non
         assert torch.equal(mine, theirs)
 
 
-# The shared convention checks the hybrid meets today; the other two need its state view to take
-# user keys and its layout check to allow a parameter repeated in place (open work).
-HYBRID_CHECKS = ("tensor_lr_must_be_one_element", "duplicate_parameter_in_a_group_warns")
+# A flagless group of matrices goes to the Muon child (no names: 2-D is Muon's), so a group may
+# override every Muon option; the hybrid's defaults are the Muon child's.
+MUON_GROUP_OPTIONS: dict[str, Any] = {
+    "lr": 0.05,
+    "weight_decay": 0.05,
+    "momentum": 0.9,
+    "nesterov": False,
+    "eps": 1e-6,
+    "ns_steps": 3,
+    "adjust_lr_fn": "original",
+    "momentum_codec": "none",
+    "normuon": True,
+    "stochastic_round": True,
+    "deterministic": True,
+    "check_finite": False,
+}
 
 
-@pytest.mark.parametrize("check", HYBRID_CHECKS)
+@pytest.mark.parametrize("check", sorted(CHECKS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_shared_torch_conventions_hold_for_the_hybrid(backend: str, check: str) -> None:
-    def build(params: list[nn.Parameter], **options: Any) -> GefenMuonHybrid:
-        return GefenMuonHybrid([{"params": params}], backup_optimizer=backend, **FAST, **options)
+    def build(params: Any, **options: Any) -> GefenMuonHybrid:
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        return GefenMuonHybrid(groups, backup_optimizer=backend, **FAST, **options)
 
-    CHECKS[check](Factory(f"GefenMuonHybrid({backend})", build))
+    factory = Factory(f"GefenMuonHybrid({backend})", build, group_options=MUON_GROUP_OPTIONS)
+    CHECKS[check](factory)
 
 
 def test_a_groups_codec_and_rounding_reach_its_childs_group() -> None:

@@ -40,8 +40,8 @@ from gefen.hybrid.testing import OneHiddenLM as TinyLM
 from gefen.hybrid.testing import assert_same_hybrid, hybrid_snapshot
 
 READ_ONLY = (
-    "GefenMuonHybrid.state is read-only; modify a child's state through hybrid.muon or "
-    "hybrid.backup"
+    "GefenMuonHybrid.state is read-only for parameters; modify a child's state through "
+    "hybrid.muon or hybrid.backup (keys that are not tensors may be set and deleted)"
 )
 NOT_OWNED = (
     "not owned by GefenMuonHybrid; parameters swapped in after construction (e.g. DeepSpeed ZeRO "
@@ -540,6 +540,26 @@ def test_every_state_write_is_type_error_and_changes_nothing(
     with pytest.raises(TypeError, match=re.escape(READ_ONLY)):
         del state[key]
     _assert_same(before, _snapshot(hybrid))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_user_key_lives_in_the_first_child_and_round_trips(backend: str) -> None:
+    model, hybrid = _hybrid(backend)
+    _stepped(hybrid)
+    state: Any = hybrid.state
+    state["note"] = {"phase": 2}
+    assert "note" in state
+    assert state["note"] == {"phase": 2}
+    assert state.get("note") == {"phase": 2}
+    assert hybrid.children[0].state["note"] == {"phase": 2}
+    saved = hybrid.state_dict()
+    assert saved["state"]["note"] == {"phase": 2}
+    del state["note"]
+    assert "note" not in state
+    assert state.get("note", "gone") == "gone"
+    hybrid.load_state_dict(saved)
+    assert state["note"] == {"phase": 2}
+    _stepped(hybrid)
 
 
 # --------------------------------------------------------------------------------------------

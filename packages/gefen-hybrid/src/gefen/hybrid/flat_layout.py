@@ -37,9 +37,9 @@ def _is_index(value: object) -> bool:
 
 
 def _extent(groups: list[Mapping[str, Any]]) -> int:
-    """How many ids a child's groups use: torch numbers them 0..n-1."""
-    ids = [index for group in groups for index in group["params"]]
-    return max(ids) + 1 if ids else 0
+    """How far a child's ids reach: torch's numbering advances by each group's length (a
+    repeated parameter keeps one id, so ids may skip)."""
+    return sum(len(group["params"]) for group in groups)
 
 
 def join(nested: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,11 +142,11 @@ def _routed_state(
 def _split_flat(hybrid: HybridInterface, flat: Mapping[str, Any]) -> dict[str, Any]:
     extras = _checked_extras(flat)
     muon = hybrid.muon
-    # The backup's ids follow the live Muon child's (torch numbers each distinct parameter),
+    # The backup's ids follow the live Muon child's (torch's numbering runs over its places),
     # when the checkpoint has a Muon half (without one, the halves check names what is missing).
     offset = 0
     if muon is not None and extras["muon"] is not None:
-        offset = len({id(p) for group in muon.param_groups for p in group["params"]})
+        offset = _extent(muon.param_groups)
     routed = _routed_groups(flat, offset)
     for role, _ in ROLES:
         if extras[role] is None and routed[role]:

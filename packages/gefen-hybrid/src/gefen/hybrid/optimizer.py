@@ -56,6 +56,14 @@ from gefen.muon import GefenMuon
 
 __all__ = ["GefenMuonHybrid"]
 
+
+def _distinct(params: Any) -> list[Tensor]:
+    """The group's tensors without repeats, in first-listed order (by identity)."""
+    seen: dict[int, Tensor] = {}
+    for param in params:
+        seen.setdefault(id(param), param)
+    return list(seen.values())
+
 _LATCHED = (
     "GefenMuonHybrid: previous step failed during commit; load a checkpoint with "
     "load_state_dict to continue"
@@ -305,19 +313,21 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         return bool(children) and all(child.finalized is not None for child in children)
 
     def check_layout(self) -> None:
-        """Raise when a child's groups no longer hold the tensors they held at construction."""
+        """Raise when a child's groups no longer hold the tensors they held at construction.
+        A group may list one of its own parameters again (edited in place, as torch allows):
+        each group is compared by its distinct tensors, in order."""
         for role, child, groups in self._snapshots:
             live = child.param_groups
             for index, expected in enumerate(groups):
-                params = live[index]["params"] if index < len(live) else []
-                for position, param in enumerate(expected):
+                params = _distinct(live[index]["params"]) if index < len(live) else []
+                for position, param in enumerate(_distinct(expected)):
                     if position >= len(params) or params[position] is not param:
                         raise RuntimeError(
                             "GefenMuonHybrid parameter layout changed after construction: "
                             f"{role} group {index} position {position} holds a different tensor"
                         )
             if len(live) != len(groups) or any(
-                len(group["params"]) != len(expected)
+                len(_distinct(group["params"])) != len(_distinct(expected))
                 for group, expected in zip(live, groups, strict=True)
             ):
                 raise RuntimeError(

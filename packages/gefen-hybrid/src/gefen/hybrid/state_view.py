@@ -1,15 +1,16 @@
-"""``GefenMuonHybrid.state``: a read-only routing view over the children's state
-(docs/hybrid.md §5).
+"""``GefenMuonHybrid.state``: a routing view over the children's state (docs/hybrid.md §5).
 
-Reads route to the owning child's live per-parameter dict (so a child's defaultdict behaves as
-in torch); ``in`` and ``get`` never create an entry; every write raises, so no caller can drop an
-entry a Gefen child needs.
+Reads of a parameter route to the owning child's live per-parameter dict (so a child's
+defaultdict behaves as in torch); ``in`` and ``get`` never create an entry; a parameter's entry
+cannot be replaced or removed through the view, so no caller can drop an entry a Gefen child
+needs. A key that is not a tensor (what a ``state_dict`` pre-hook stores, as torch allows) is
+the hybrid's own: it lives in the first child's state, which saves and restores it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from torch import Tensor
 
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["HybridState"]
 
 _READ_ONLY = (
-    "GefenMuonHybrid.state is read-only; modify a child's state through hybrid.muon or "
-    "hybrid.backup"
+    "GefenMuonHybrid.state is read-only for parameters; modify a child's state through "
+    "hybrid.muon or hybrid.backup (keys that are not tensors may be set and deleted)"
 )
 
 
@@ -39,18 +40,38 @@ class HybridState(Mapping[Tensor, Any]):
             )
         return child
 
-    def __getitem__(self, key: Tensor) -> Any:
+    def _own(self) -> dict[Any, Any]:
+        """The first child's state, where the hybrid's own (non-tensor) keys live."""
+        return cast(dict[Any, Any], self._hybrid.children[0].state)
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, Tensor) and key in self._own():
+            return self._own()[key]
         return self._owner(key).state[key]
 
     def __contains__(self, key: object) -> bool:
+        if not isinstance(key, Tensor):
+            return key in self._own()
         child = self._hybrid.owner_of(key)
         return child is not None and key in child.state
 
-    def get(self, key: Tensor, default: Any = None) -> Any:
+    def get(self, key: Any, default: Any = None) -> Any:
+        if not isinstance(key, Tensor):
+            return self._own().get(key, default)
         child = self._hybrid.owner_of(key)
         if child is None or key not in child.state:
             return default
         return child.state[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, Tensor):
+            raise TypeError(_READ_ONLY)
+        self._own()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if isinstance(key, Tensor):
+            raise TypeError(_READ_ONLY)
+        del self._own()[key]
 
     def __iter__(self) -> Iterator[Tensor]:
         for child in self._hybrid.children:
@@ -67,8 +88,6 @@ class HybridState(Mapping[Tensor, Any]):
     def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError(_READ_ONLY)
 
-    __setitem__ = _refuse
-    __delitem__ = _refuse
     setdefault = _refuse
     update = _refuse
     pop = _refuse
