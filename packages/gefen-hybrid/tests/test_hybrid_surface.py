@@ -544,7 +544,7 @@ def test_every_state_write_is_type_error_and_changes_nothing(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_user_key_lives_in_the_first_child_and_round_trips(backend: str) -> None:
-    model, hybrid = _hybrid(backend)
+    _, hybrid = _hybrid(backend)
     _stepped(hybrid)
     state: Any = hybrid.state
     state["note"] = {"phase": 2}

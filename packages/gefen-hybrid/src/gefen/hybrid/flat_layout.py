@@ -13,7 +13,7 @@ nested layout of gefen-hybrid 0.1 (``{"muon", "backup", "backup_optimizer"}``), 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _extent(groups: list[Mapping[str, Any]]) -> int:
+def _extent(groups: Sequence[Mapping[str, Any]]) -> int:
     """How far a child's ids reach: torch's numbering advances by each group's length (a
     repeated parameter keeps one id, so ids may skip)."""
     return sum(len(group["params"]) for group in groups)

@@ -64,6 +64,7 @@ def _distinct(params: Any) -> list[Tensor]:
         seen.setdefault(id(param), param)
     return list(seen.values())
 
+
 _LATCHED = (
     "GefenMuonHybrid: previous step failed during commit; load a checkpoint with "
     "load_state_dict to continue"
