@@ -41,7 +41,8 @@ TOOLING = ("hatchling>=1.27",)  # PEP 639 license-files
 RELEASE_TOOLS = ("build>=1.2", "twine>=6.1")
 LEGAL_FILES = ("LICENSE", "NOTICE")  # in every archive (license-files)
 HARNESS_TOOLS = ("tqdm", "matplotlib")  # benchmarks/compare.py (and its test in tests/)
-PEERS = ("bitsandbytes", "torchao")  # compared against by ``bench`` when the index offers them
+# Compared against by ``bench`` when the index offers them (apollo-torch: APOLLO and APOLLO-Mini).
+PEERS = ("bitsandbytes", "torchao", "apollo-torch", "adam-mini")
 
 nox.options.sessions = ["build", "tests", "tests_all", "typecheck", "lint"]
 nox.options.default_venv_backend = "venv"  # pip venvs: torch comes from the local CPU wheel
@@ -256,12 +257,13 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The longer comparison (LR sweep), with the 8-bit peers installed when the index offers
-    them, then the micro-benchmark. Arguments after ``--`` go to compare.py."""
+    """The longer comparison (LR sweep), with the peers (8-/4-bit AdamW, APOLLO, Adam-mini)
+    installed when the index offers them, then the micro-benchmark. Arguments after ``--`` go to
+    compare.py."""
     _harness_install(session)
     for peer in PEERS:
         try:
-            session.install(peer)
+            session.install(peer, TORCH)  # TORCH: a peer's dependencies never move torch
         except Exception:  # a missing peer is reported by the harness, not fatal here
             session.warn(f"{peer} could not be installed; the harness will skip it")
     session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs)

@@ -1,4 +1,4 @@
-"""Compare Gefen with AdamW, Muon and 8-bit peers on a small byte-level transformer.
+"""Compare Gefen with AdamW, Muon and peers (8-/4-bit AdamW, APOLLO, Adam-mini) on a small model.
 
 Trains the pinned decoder-only transformer (tied embedding/head, LayerNorm, causal attention,
 MLP) on the Python standard library's own source files, read from the running interpreter, with

@@ -11,11 +11,12 @@ import platform
 import resource
 import sys
 import time
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from harness_config import BETAS, WEIGHT_DECAY
+from harness_config import APOLLO_RECIPES, BETAS, WEIGHT_DECAY
 from torch import Tensor, nn
 
 NamedParams = list[tuple[str, Tensor]]
@@ -24,6 +25,21 @@ PEER_MODULES = {
     "bnb_adamw8bit": "bitsandbytes",
     "torchao_adamw8bit": "torchao",
     "torchao_adamw4bit": "torchao",
+    "apollo": "apollo_torch",
+    "apollo_mini": "apollo_torch",
+    "adam_mini": "adam_mini",
+}
+
+# adam-mini partitions parameters by name substrings and lets users add their own (its documented
+# ``optimizer.<kind>_names.add(...)``). compare.py's Decoder names them differently from the
+# LLaMA/GPT-2 names it knows: ``qkv`` is the fused query/key/value (one learning rate per head,
+# which is adam-mini's rule for queries and keys and a finer one than it allows for values),
+# ``proj`` the attention output and ``fc``/``fc_out`` the MLP (one per output neuron). The
+# embedding (tied head) and position embedding already match its ``embed`` name (one per row).
+ADAM_MINI_NAMES: dict[str, tuple[str, ...]] = {
+    "wqk_names": ("qkv",),
+    "attn_proj_names": (".proj.",),
+    "mlp_names": (".fc",),
 }
 
 
@@ -69,6 +85,64 @@ def _adamw(params: Iterable[Tensor], lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
     except RuntimeError:  # no fused kernel for this device
         return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
+def apollo_param_groups(model: nn.Module, recipe: dict[str, Any]) -> list[dict[str, Any]]:
+    """APOLLO's published grouping: the hidden matrices (routed like the hybrid's Muon part:
+    ``gefen.hybrid.split_params_for_muon``) in low-rank groups carrying ``recipe``'s keys, one
+    group per rank after capping it at each matrix's smaller dimension; the embedding (and tied
+    head), position embedding, norms and biases first, in a plain group without them."""
+    from gefen.hybrid import split_params_for_muon
+
+    matrices, rest = split_params_for_muon(model)
+    groups: list[dict[str, Any]] = [{"params": [p for _, p in rest]}] if rest else []
+    by_rank: dict[int, list[Tensor]] = {}
+    for _, param in matrices:
+        rank = min(int(recipe["rank"]), *param.shape)
+        by_rank.setdefault(rank, []).append(param)
+    for rank, params in sorted(by_rank.items(), reverse=True):
+        groups.append({"params": params, **recipe, "rank": rank})
+    return groups
+
+
+def _apollo(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    try:
+        from apollo_torch import APOLLOAdamW
+    except Exception as error:  # it imports transformers and bitsandbytes at import time
+        raise Unavailable(f"apollo_torch does not import: {error}") from error
+    groups = apollo_param_groups(model, APOLLO_RECIPES[name])
+    optimizer: torch.optim.Optimizer = APOLLOAdamW(
+        groups, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY
+    )
+    return optimizer
+
+
+def _adam_mini(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    try:
+        from adam_mini import Adam_mini
+    except Exception as error:
+        raise Unavailable(f"adam_mini does not import: {error}") from error
+    size = getattr(model, "size", None)  # compare.py's Decoder; micro.py's holder has none
+    dims: dict[str, int] = {}
+    if size is not None:
+        dims = {"dim": size.d_model, "n_heads": size.heads, "n_kv_heads": size.heads}
+    optimizer: torch.optim.Optimizer = Adam_mini(
+        model.named_parameters(),
+        lr=lr,
+        betas=BETAS,
+        weight_decay=WEIGHT_DECAY,
+        verbose=False,
+        **dims,
+    )
+    for attribute, substrings in ADAM_MINI_NAMES.items():
+        names = getattr(optimizer, attribute, None)
+        if not isinstance(names, set):
+            raise Unavailable(
+                f"adam_mini.Adam_mini has no {attribute} set: this adam-mini cannot be told the "
+                "harness model's block names"
+            )
+        names.update(substrings)
+    return optimizer
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
@@ -120,6 +194,10 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
             raise Unavailable(f"torchao.optim does not import: {error}") from error
         cls = AdamW8bit if name.endswith("8bit") else AdamW4bit
         return cls(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    if name in APOLLO_RECIPES:
+        return _apollo(name, model, lr)
+    if name == "adam_mini":
+        return _adam_mini(model, lr)
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -133,22 +211,38 @@ def child_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
-def _leaf_tensors(value: object) -> Iterator[Tensor]:
-    """Plain tensors reachable from ``value``: containers walked, subclasses flattened."""
+# Objects in optimizer state whose attributes are not walked (they are not state the optimizer
+# keeps per parameter, or they reach the model itself).
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, nn.Module)
+
+
+def _leaf_tensors(value: object, walked: set[int] | None = None) -> Iterator[Tensor]:
+    """Plain tensors reachable from ``value``: containers walked, subclasses flattened, and the
+    attributes of plain objects kept in the state walked too (APOLLO's projectors hold their
+    projection matrix as an attribute)."""
+    walked = set() if walked is None else walked
     if isinstance(value, Tensor):
         flatten = getattr(type(value), "__tensor_flatten__", None)
         if flatten is not None and type(value) not in (Tensor, nn.Parameter):
             names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
             for inner in names:
-                yield from _leaf_tensors(getattr(value, inner))
+                yield from _leaf_tensors(getattr(value, inner), walked)
         else:
             yield value
-    elif isinstance(value, dict):
+        return
+    if id(value) in walked:  # a container or object reached again (or a cycle)
+        return
+    if isinstance(value, dict):
+        walked.add(id(value))
         for item in value.values():
-            yield from _leaf_tensors(item)
+            yield from _leaf_tensors(item, walked)
     elif isinstance(value, (list, tuple)):
+        walked.add(id(value))
         for item in value:
-            yield from _leaf_tensors(item)
+            yield from _leaf_tensors(item, walked)
+    elif hasattr(value, "__dict__") and not isinstance(value, _OPAQUE):
+        walked.add(id(value))
+        yield from _leaf_tensors(vars(value), walked)
 
 
 def _optimizer_level_tensors(optimizer: Any) -> list[object]:
@@ -334,6 +428,8 @@ def environment(threads: int) -> dict[str, Any]:
         "gefen-hybrid",
         "bitsandbytes",
         "torchao",
+        "apollo-torch",
+        "adam-mini",
         "numpy",
     )
     return {

@@ -8,9 +8,10 @@ entry by ``SWEEP_MULTIPLIERS`` and keeps each optimizer's best.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-# Every optimizer the harness knows, in table order. Peers (bitsandbytes, torchao) run only when
-# importable and usable on the device; the others always run.
+# Every optimizer the harness knows, in table order. Peers (bitsandbytes, torchao, apollo-torch,
+# adam-mini) run only when importable and usable on the device; the others always run.
 OPTIMIZERS: tuple[str, ...] = (
     "adamw",
     "gefen",
@@ -21,6 +22,9 @@ OPTIMIZERS: tuple[str, ...] = (
     "bnb_adamw8bit",
     "torchao_adamw8bit",
     "torchao_adamw4bit",
+    "apollo",
+    "apollo_mini",
+    "adam_mini",
 )
 
 # The one table of default learning rates (peak of the schedule below), chosen from a
@@ -37,6 +41,37 @@ DEFAULT_LR: dict[str, float] = {
     "bnb_adamw8bit": 7.5e-4,
     "torchao_adamw8bit": 7.5e-4,
     "torchao_adamw4bit": 7.5e-4,
+    # Not yet swept on the default run: AdamW's rate (adam-mini's README recommends AdamW's
+    # hyperparameters). A 150-step check on the tiny model (2026-12) put AdamW's and adam-mini's
+    # best near 1.5e-3-3e-3, APOLLO-Mini's near 3e-3 and APOLLO's at 6e-3 or above (its
+    # published runs use 1e-2): the sweep of the default run should settle these three.
+    "apollo": 7.5e-4,
+    "apollo_mini": 7.5e-4,
+    "adam_mini": 7.5e-4,
+}
+
+# The published APOLLO / APOLLO-Mini recipes (apollo-torch's README): the hidden matrices go to
+# one low-rank group with these keys, everything else (embedding and tied head, position
+# embedding, norms, biases) to a plain AdamW group of the same optimizer. ``rank`` is capped at
+# each matrix's smaller dimension. The published APOLLO rank is about a quarter of the width
+# (256 at 1B); 48 is that for the default model (width 192).
+APOLLO_RECIPES: dict[str, dict[str, Any]] = {
+    "apollo": {
+        "rank": 48,
+        "proj": "random",
+        "proj_type": "std",
+        "scale_type": "channel",
+        "scale": 1,
+        "update_proj_gap": 200,
+    },
+    "apollo_mini": {
+        "rank": 1,
+        "proj": "random",
+        "proj_type": "std",
+        "scale_type": "tensor",
+        "scale": 128,
+        "update_proj_gap": 200,
+    },
 }
 
 SWEEP_MULTIPLIERS: tuple[float, ...] = (0.5, 1.0, 2.0)

@@ -4,9 +4,10 @@ For every optimizer of the comparison harness (peers only when importable), time
 each case of ``--sizes``:
 
 * ``1M``, ``4M``, ``16M``: one fp32 parameter of that many elements, a flat vector for the Adam
-  family and a square matrix (1024x1024, 4096x4096) for the Muon family, which is the shape Muon
-  is for. With a single matrix both ``GefenMuonHybrid`` variants train it with ``GefenMuon`` alone
-  (there is nothing for the backup).
+  family and a square matrix (1024x1024, 4096x4096) for the Muon family and APOLLO / APOLLO-Mini,
+  which is the shape they are for. With a single matrix both ``GefenMuonHybrid`` variants train it
+  with ``GefenMuon`` alone (there is nothing for the backup), and APOLLO has only its low-rank
+  group.
 * ``NxS`` (``4x2048`` by default): one model holding N fp32 SxS matrices, the same for every
   optimizer (the Muon family trains all N with Muon).
 
@@ -59,6 +60,7 @@ from harness_config import (
 from torch import nn
 
 MUON_FAMILY = ("muon", "gefen_muon_gefen", "gefen_muon_adamw")
+MATRIX_SHAPED = (*MUON_FAMILY, "apollo", "apollo_mini")  # single cases are square matrices
 SINGLE_SIZES = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
 STACK = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")  # NxS: N matrices of SxS
 DEFAULT_SIZES = "1M,16M,4x2048"
@@ -73,7 +75,7 @@ def case_shapes(case: str, name: str) -> list[tuple[int, ...]]:
     """The parameter shapes of ``case`` for optimizer ``name``; ValueError for an unknown case."""
     if case in SINGLE_SIZES:
         numel = SINGLE_SIZES[case]
-        if name not in MUON_FAMILY:
+        if name not in MATRIX_SHAPED:
             return [(numel,)]
         rows = 1 << (math.isqrt(numel).bit_length() - 1)  # a power of two near sqrt(numel)
         return [(rows, numel // rows)]

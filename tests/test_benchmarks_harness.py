@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
+import types
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPARE = ROOT / "benchmarks" / "compare.py"
@@ -135,8 +140,182 @@ def test_micro_case_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert micro.case_shapes("16M", "gefen") == [(1 << 24,)]
     assert micro.case_shapes("1M", "muon") == [(1024, 1024)]
     assert micro.case_shapes("16M", "gefen_muon_gefen") == [(4096, 4096)]
-    for name in ("adamw", "gefen", "muon", "gefen_muon_gefen"):
+    assert micro.case_shapes("1M", "apollo_mini") == [(1024, 1024)]  # APOLLO is for matrices
+    assert micro.case_shapes("1M", "adam_mini") == [(1 << 20,)]
+    for name in ("adamw", "gefen", "muon", "gefen_muon_gefen", "apollo"):
         assert micro.case_shapes("4x2048", name) == [(2048, 2048)] * 4
     assert "4x2048" in micro.DEFAULT_SIZES.split(",")
     with pytest.raises(ValueError, match="unknown size"):
         micro.case_shapes("3M", "adamw")
+
+
+# -- the APOLLO, APOLLO-Mini and Adam-mini peers (in process: their adapters, not a training run)
+
+NEW_PEERS = ("apollo", "apollo_mini", "adam_mini")
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """benchmarks/harness.py, harness_config.py and compare.py, imported as siblings."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return types.SimpleNamespace(
+        **{name: importlib.import_module(name) for name in ("harness", "harness_config", "compare")}
+    )
+
+
+def tiny_decoder(bench: types.SimpleNamespace) -> nn.Module:
+    torch.manual_seed(0)
+    model: nn.Module = bench.compare.Decoder(bench.harness_config.MODEL_SIZES["tiny"])
+    return model
+
+
+def one_step(model: nn.Module, optimizer: Any, bench: types.SimpleNamespace) -> None:
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    optimizer.zero_grad(set_to_none=True)
+    bench.compare.lm_loss(model, tokens, 256).backward()
+    optimizer.step()
+
+
+def hidden_matrices(model: nn.Module) -> set[str]:
+    """The recipe's low-rank parameters in compare.py's Decoder: its blocks' Linear weights."""
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.startswith("blocks.")
+    }
+
+
+def test_new_peers_are_registered(bench: types.SimpleNamespace) -> None:
+    config, harness = bench.harness_config, bench.harness
+    for name in NEW_PEERS:
+        assert name in config.OPTIMIZERS
+        assert config.DEFAULT_LR[name] > 0
+    assert harness.PEER_MODULES["apollo"] == harness.PEER_MODULES["apollo_mini"] == "apollo_torch"
+    assert harness.PEER_MODULES["adam_mini"] == "adam_mini"
+    assert config.APOLLO_RECIPES["apollo"] == {
+        "rank": 48,
+        "proj": "random",
+        "proj_type": "std",
+        "scale_type": "channel",
+        "scale": 1,
+        "update_proj_gap": 200,
+    }
+    assert config.APOLLO_RECIPES["apollo_mini"] == {
+        "rank": 1,
+        "proj": "random",
+        "proj_type": "std",
+        "scale_type": "tensor",
+        "scale": 128,
+        "update_proj_gap": 200,
+    }
+
+
+@pytest.mark.parametrize("name", NEW_PEERS)
+def test_absent_peer_is_a_clean_skip(
+    bench: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    harness = bench.harness
+    module = harness.PEER_MODULES[name]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        harness.importlib.util,
+        "find_spec",
+        lambda wanted, *rest: None if wanted == module else real_find_spec(wanted, *rest),
+    )
+    assert harness.peer_missing(name) == f"{module} is not installed"
+    with pytest.raises(harness.Unavailable, match="is not installed"):
+        harness.build_optimizer(name, tiny_decoder(bench), 1e-3)
+    args = argparse.Namespace(
+        threads=1, model_size="tiny", steps=2, batch=2, eval_batches=1, seed=0
+    )
+    result = bench.compare.train_one(name, 1e-3, args)  # the worker's answer to the parent
+    assert result == {"optimizer": name, "skipped": f"{module} is not installed"}
+
+
+@pytest.mark.parametrize("name", NEW_PEERS)
+def test_peer_that_does_not_import_is_a_clean_skip(
+    bench: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    harness = bench.harness
+    module = harness.PEER_MODULES[name]
+    monkeypatch.setattr(harness, "peer_missing", lambda _: None)  # "installed"
+    monkeypatch.setitem(sys.modules, module, None)  # ... but its import fails
+    with pytest.raises(harness.Unavailable, match=f"{module} does not import"):
+        harness.build_optimizer(name, tiny_decoder(bench), 1e-3)
+
+
+def test_apollo_rank_is_capped_at_the_smaller_dimension(bench: types.SimpleNamespace) -> None:
+    model = nn.Sequential(nn.Linear(8, 100), nn.Linear(100, 64), nn.LayerNorm(64))
+    recipe = bench.harness_config.APOLLO_RECIPES["apollo"]
+    groups = bench.harness.apollo_param_groups(model, recipe)
+    assert "rank" not in groups[0]  # the plain group first: biases and the norm
+    assert {id(p) for p in groups[0]["params"]} == {
+        id(p) for name, p in model.named_parameters() if not name.endswith(("0.weight", "1.weight"))
+    }
+    ranks = {group["rank"]: group["params"] for group in groups[1:]}
+    assert set(ranks) == {48, 8}  # 48 for the 64x100 matrix, 8 for the 100x8 one
+    assert ranks[8] == [model[0].weight]
+    assert ranks[48] == [model[1].weight]
+    for group in groups[1:]:
+        assert {key: group[key] for key in recipe if key != "rank"} == {
+            key: value for key, value in recipe.items() if key != "rank"
+        }
+
+
+@pytest.mark.parametrize("name", ["apollo", "apollo_mini"])
+def test_apollo_groups_follow_the_recipe(bench: types.SimpleNamespace, name: str) -> None:
+    apollo_torch = pytest.importorskip("apollo_torch")
+    model = tiny_decoder(bench)
+    optimizer = bench.harness.build_optimizer(name, model, 1e-3)
+    assert isinstance(optimizer, apollo_torch.APOLLOAdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    recipe = bench.harness_config.APOLLO_RECIPES[name]
+    plain, *low_rank = optimizer.param_groups
+    assert not set(recipe) & set(plain)
+    assert {names[id(p)] for p in plain["params"]} == set(names.values()) - hidden_matrices(model)
+    assert {"embed.weight", "pos_embed"} <= {names[id(p)] for p in plain["params"]}
+    assert len(low_rank) == 1  # the tiny model's matrices are all at least 64 wide
+    assert {names[id(p)] for p in low_rank[0]["params"]} == hidden_matrices(model)
+    assert {key: low_rank[0][key] for key in recipe} == recipe
+    for group in optimizer.param_groups:
+        assert group["betas"] == bench.harness_config.BETAS
+        assert group["weight_decay"] == bench.harness_config.WEIGHT_DECAY
+
+    one_step(model, optimizer, bench)
+    # The state count includes each projector's random matrix, an attribute of a plain object.
+    direct = projectors = 0
+    for state in optimizer.state.values():
+        direct += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        if "projector" in state:
+            matrix = state["projector"].ortho_matrix
+            assert matrix.shape[0] == recipe["rank"] or matrix.shape[1] == recipe["rank"]
+            projectors += matrix.numel() * matrix.element_size()
+    assert projectors > 0
+    assert bench.harness.state_bytes(optimizer) == direct + projectors
+
+
+def test_adam_mini_partitions_the_harness_model(bench: types.SimpleNamespace) -> None:
+    adam_mini = pytest.importorskip("adam_mini")
+    model = tiny_decoder(bench)
+    size = bench.harness_config.MODEL_SIZES["tiny"]
+    optimizer = bench.harness.build_optimizer("adam_mini", model, 1e-3)
+    assert isinstance(optimizer, adam_mini.Adam_mini)
+    assert (optimizer.dim, optimizer.n_heads, optimizer.n_kv_heads) == (size.d_model, 4, 4)
+    decay = {group["name"]: group["weight_decay"] for group in optimizer.param_groups}
+    assert set(decay) == {name.lower() for name, _ in model.named_parameters()}
+    assert decay["blocks.0.qkv.weight"] == bench.harness_config.WEIGHT_DECAY
+    assert decay["blocks.0.norm1.weight"] == decay["blocks.0.fc.bias"] == 0.0
+
+    one_step(model, optimizer, bench)
+    block = model.blocks[0]
+    state = optimizer.state
+    # qkv: one second moment per head of Q, K and V (adam-mini's rule for queries and keys)
+    assert state[block.qkv.weight]["vmean"].shape == (3 * size.heads, 1)
+    # attention output, MLP, embedding (tied head) and position embedding: one per row
+    for param in (block.proj.weight, block.fc.weight, block.fc_out.weight, model.embed.weight):
+        assert state[param]["vmean"].shape == (param.shape[0], 1)
+    assert state[model.pos_embed]["vmean"].shape == (size.context, 1)
+    assert state[block.norm1.weight]["vmean"].numel() == 1  # one per block
+    assert state[block.qkv.bias]["v"].shape == block.qkv.bias.shape  # biases: plain Adam
+    per_param = bench.harness.state_bytes(optimizer) / sum(p.numel() for p in model.parameters())
+    assert 4.0 < per_param < 4.5  # the first moment in full, second moments nearly free
