@@ -41,13 +41,13 @@ DEFAULT_LR: dict[str, float] = {
     "bnb_adamw8bit": 7.5e-4,
     "torchao_adamw8bit": 7.5e-4,
     "torchao_adamw4bit": 7.5e-4,
-    # Not yet swept on the default run: AdamW's rate (adam-mini's README recommends AdamW's
-    # hyperparameters). A 150-step check on the tiny model (2026-12) put AdamW's and adam-mini's
-    # best near 1.5e-3-3e-3, APOLLO-Mini's near 3e-3 and APOLLO's at 6e-3 or above (its
-    # published runs use 1e-2): the sweep of the default run should settle these three.
-    "apollo": 7.5e-4,
-    "apollo_mini": 7.5e-4,
-    "adam_mini": 7.5e-4,
+    # From two sweeps of the default run (2026-12-01, benchmarks/results/peers_sweep.json): the
+    # first, around AdamW's 7.5e-4, put APOLLO's and APOLLO-Mini's best at its top (1.5e-3) and
+    # adam-mini's at its bottom (3.75e-4); the second, around those, moved APOLLO to 3e-3 (again
+    # the top: its published runs use 1e-2, so a higher rate may still do better).
+    "apollo": 3e-3,
+    "apollo_mini": 1.5e-3,
+    "adam_mini": 3.75e-4,
 }
 
 # The published APOLLO / APOLLO-Mini recipes (apollo-torch's README): the hidden matrices go to
