@@ -7,7 +7,6 @@ state codec, the per-mode update and the distributed consolidation of checkpoint
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -15,7 +14,6 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import OptimizerContract, ParameterLayout
-from gefen.core import extension as core_extension
 from gefen.core.extension import (
     STEP_SIGNATURE,
     CodebookInput,
@@ -46,6 +44,7 @@ from gefen.muon.modes import (
     parameter_mode,
     quantized_shape,
 )
+from gefen.muon.momentum_kernels import MomentumKernels
 from gefen.muon.options import (
     MUON_OPTIMIZER_WIDE,
     check_mode_mix,
@@ -151,7 +150,7 @@ class GefenMuon(OptimizerShell):
         validate_muon_options(defaults)
         normalise_schedule_steps(defaults)
         # Momentum kernels by (device type, fused option): compiled code, never pickled.
-        self._momentum_kernels: dict[tuple[str, bool | None], MomentumAdvancer | None] = {}
+        self._momentum_kernels = MomentumKernels()
         super().__init__(params, defaults)
 
     # -- options ----------------------------------------------------------------------------
@@ -235,51 +234,14 @@ class GefenMuon(OptimizerShell):
 
     def _restore_derived(self) -> None:
         super()._restore_derived()
-        self._momentum_kernels = {}
-
-    def _momentum_kernel(
-        self, group: Mapping[str, Any], device_type: str
-    ) -> MomentumAdvancer | None:
-        """The fused codebook8 momentum of ``group`` on ``device_type``, or None for the eager
-        reference (its codec is "none", or its ``fused`` is False).
-
-        Selected (and compiled) in the local preflight, then cached per optimizer and device
-        type (never serialized). ``fused=True``: a compile failure raises and nothing is cached,
-        so a retry selects again; ``fused=None``: one warning, then the eager path.
-        """
-        fused = core_extension.resolve_default(group["fused"])
-        if fused is False or not group_uses_codebook(group):
-            return None
-        key = (device_type, fused)
-        if key in self._momentum_kernels:
-            return self._momentum_kernels[key]
-        try:
-            # The commit runs under no_grad: warming up under it too keeps Dynamo from
-            # compiling a second graph for the grad mode (the preflight runs with grad on).
-            with torch.no_grad():
-                kernel: MomentumAdvancer | None = core_extension.fused_momentum(device_type)
-        except Exception as error:
-            if fused:
-                raise RuntimeError(
-                    f"GefenMuon: fused implementation failed to compile the codebook8 momentum "
-                    f"for device type {device_type!r}: {type(error).__name__}: {error}"
-                ) from error
-            warnings.warn(
-                f"GefenMuon: the fused codebook8 momentum failed to compile for device type "
-                f"{device_type!r}; using the eager path ({type(error).__name__}: {error})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            kernel = None
-        self._momentum_kernels[key] = kernel
-        return kernel
+        self._momentum_kernels = MomentumKernels()
 
     def _select_kernels(self) -> None:
         """The local preflight's selection: every group and device a codebook8 momentum will
         run on."""
         for _, group, param in self.indexed_params():
             if param.grad is not None and group_uses_codebook(group):
-                self._momentum_kernel(group, local_tensor(param).device.type)
+                self._momentum_kernels.select(group, local_tensor(param).device.type)
 
     # -- phase 4: read-only plan -------------------------------------------------------------
 
@@ -368,7 +330,7 @@ class GefenMuon(OptimizerShell):
             codebook = codebooks.get(device)
             if codebook is None:
                 codebook = codebooks[device] = self._codebook.to(device)
-            kernel = self._momentum_kernel(planned.group, device.type)
+            kernel = self._momentum_kernels.select(planned.group, device.type)
             advance = kernel or eager_advance_momentum_
         return orthogonal_update_(
             entry,
