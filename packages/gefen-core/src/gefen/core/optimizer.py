@@ -36,7 +36,12 @@ from gefen.core.state import (
     migrate_family,
 )
 from gefen.core.updaters import KernelKey, StepScalars, Updater, eager_update_
-from gefen.core.validation import is_dtensor, local_tensor, parameter_label
+from gefen.core.validation import (
+    GradientReduction,
+    is_dtensor,
+    local_tensor,
+    parameter_label,
+)
 from gefen.dist import GuardedOperation
 
 __all__ = ["Gefen"]
@@ -224,9 +229,15 @@ class Gefen(OptimizerShell):
         )
 
     def _select_kernels(self) -> None:
+        reductions: dict[int, GradientReduction] = {}  # by id(param), see _commit_step
         for _, group, param in self.indexed_params():
             if param.grad is not None and local_tensor(param).numel() > 0:
-                self._kernel(group, param)
+                kernel = self._kernel(group, param)
+                # the native kernel's factored row/column sums double as the finiteness check
+                reduction = getattr(kernel, "gradient_sums", None)
+                if reduction is not None and self._family(group, param) == "factored":
+                    reductions[id(param)] = reduction
+        self._reductions = reductions
 
     # -- phase 4: read; phase 5: streamed commit (§7.1) --------------------------------------
 
@@ -322,6 +333,8 @@ class Gefen(OptimizerShell):
     def _commit_step(self, plan: Any) -> None:
         """Phase 5: one parameter at a time, its state and value updated in their own storage."""
         bound = self._scalars_with_codebook(plan)
+        # by id: a Tensor's own __hash__ is a Python call; the key lives only for this step
+        bound_updates: Mapping[int, Updater] = self.__dict__.get("_gradient_sums") or {}
         for planned in plan.updates:
             entry = planned.entry if planned.entry is not None else self._live_entry(planned)
             grad = planned.param.grad
@@ -333,7 +346,9 @@ class Gefen(OptimizerShell):
                     scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
                     scalars.codebook, planned.seed,
                 )  # fmt: skip
-            (planned.updater or eager_update_)(planned.local, grad, entry, scalars)
+            # the kernel bound to the sums the preflight computed, else the selected one
+            update = bound_updates.get(id(planned.param)) or planned.updater or eager_update_
+            update(planned.local, grad, entry, scalars)
 
     def _scalars_with_codebook(self, plan: _StepPlan) -> dict[tuple[int, Any], StepScalars]:
         """Each group's scalars with the codebook on each device it is used on (a group whose

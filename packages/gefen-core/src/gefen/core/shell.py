@@ -151,11 +151,8 @@ class OptimizerShell(HookedStepState, Optimizer):
         raise NotImplementedError
 
     def _prepare_step(self, operation: GuardedOperation, learning: StagedLearning) -> Any:
-        """Phase 4: stage every update, writing nothing; returns the plan ``_commit_step`` takes.
-
-        ``learning`` holds what the shell staged for this step (new periods, a first or refreshed
-        codebook, remapped codes); it is published by the shell before ``_commit_step`` runs.
-        """
+        """Phase 4: stage every update, writing nothing; returns the plan ``_commit_step`` takes
+        (``learning``, what the shell staged, is published before ``_commit_step`` runs)."""
         raise NotImplementedError
 
     def _commit_step(self, plan: Any) -> None:
@@ -240,8 +237,11 @@ class OptimizerShell(HookedStepState, Optimizer):
             self._check_local_inputs()
             self._select_kernels()
             self._steady = token  # what passed; the plan and learning caches key on it
-        if not amp_present:
-            check_finite_gradients(self.param_groups)  # each group's own check_finite
+        # Reads the commit needs that prove finiteness (by _select_kernels) run in the check.
+        reductions = self.__dict__.get("_reductions")
+        self._gradient_sums = (
+            {} if amp_present else check_finite_gradients(self.param_groups, reductions)
+        )
 
     def gradient_presence(self) -> list[bool]:
         """Which parameters have a gradient, in group order (the vote agrees on it)."""
@@ -353,8 +353,10 @@ class OptimizerShell(HookedStepState, Optimizer):
     @property
     def uses_codebook(self) -> bool:
         """True iff some group keeps codebook8 momentum (they share the one codebook)."""
-        groups = self.__dict__.get("param_groups") or [self.defaults]
-        return any(group_uses_codebook(group) for group in groups)
+        for group in self.__dict__.get("param_groups") or [self.defaults]:  # a loop: per step
+            if group_uses_codebook(group):
+                return True
+        return False
 
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
         """Learning of §5.5–§5.6; skipped while the steady-state token and the codebook are those

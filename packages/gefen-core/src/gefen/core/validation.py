@@ -8,7 +8,7 @@ finiteness row. Both only read: no collective, no mutation.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "GradientReduction",
     "NonFiniteGradientError",
     "amp_scaling_supported",
     "check_finite_gradients",
@@ -139,9 +140,24 @@ def validate_gradient_structure(
         _check_geometry(label, param, grad)
 
 
-def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
+GradientReduction = Callable[[Tensor], "tuple[Any, bool] | None"]
+"""A read of a whole gradient that also tells whether it is finite (the factored family's row
+and column sums, ``gefen.core.native.NativeUpdater.gradient_sums``): its result and True when
+that proves the gradient finite, False when the gradient must be checked itself, or None when
+it does not apply to this gradient."""
+
+
+def check_finite_gradients(
+    param_groups: Iterable[Mapping[str, Any]],
+    reductions: Mapping[int, GradientReduction] | None = None,
+) -> dict[int, Any]:
     """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient
     (a group with ``check_finite=False`` is not read).
+
+    ``reductions`` (by ``id`` of the parameter) names gradients the step's commit reduces
+    anyway: their reduction runs here instead, so the check costs no read of its own; the
+    results are returned by ``id`` of the parameter for the commit to reuse, and only a gradient
+    whose reduction does not prove it finite is read by the check below.
 
     Contiguous CPU gradients, once the native kernel library is loaded, are read in one native
     pass (``gefen.core.native.first_nonfinite``). Otherwise: one fused reduction per gradient
@@ -152,6 +168,7 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
     # Plain loops: this runs every step, and a comprehension is a call per item.
     located: list[tuple[Mapping[str, Any], int, int]] = []
     grads: list[Tensor] = []
+    reduced: dict[int, Any] = {}
     for group_index, group in enumerate(param_groups):
         if group.get("check_finite", True) is False:
             continue
@@ -161,11 +178,19 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
                 continue
             if type(grad) not in _PLAIN_TYPES:
                 grad = local_tensor(grad)
-            if grad.numel() > 0:
-                located.append((group, group_index, position))
-                grads.append(grad)
+            if grad.numel() == 0:
+                continue
+            # keyed by id: a Tensor's own __hash__ is a Python call, and this runs every step
+            reduction = None if reductions is None else reductions.get(id(param))
+            outcome = None if reduction is None else reduction(grad)
+            if outcome is not None:
+                reduced[id(param)] = outcome[0]
+                if outcome[1]:
+                    continue  # proven finite by the reduction itself
+            located.append((group, group_index, position))
+            grads.append(grad)
     if not located:
-        return
+        return reduced
     # CPU: one native pass, no reduction launches; only once a kernel selection loaded the
     # library (an eager-only run never builds it).
     native = sys.modules.get("gefen.core.native")
@@ -176,7 +201,7 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
             raise NonFiniteGradientError(
                 f"parameter {label} has a non-finite gradient (NaN or Inf)"
             )
-        return
+        return reduced
     labelled = [
         (parameter_label(group, g, i), grad)
         for (group, g, i), grad in zip(located, grads, strict=True)
@@ -196,6 +221,7 @@ def check_finite_gradients(param_groups: Iterable[Mapping[str, Any]]) -> None:
             raise NonFiniteGradientError(
                 f"parameter {label} has a non-finite gradient (NaN or Inf)"
             )
+    return reduced
 
 
 def amp_scaling_supported(

@@ -10,6 +10,7 @@ is the one place to change. ``TORCH_INTERNALS`` lists them for the project's lin
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import chain
@@ -126,9 +127,9 @@ def run_load_post_hooks(optimizer: object) -> None:
         hook(optimizer)
 
 
-def tensor_version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter (bumped by every in-place write)."""
-    return tensor._version
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""The tensor's in-place version counter (bumped by every in-place write). An ``attrgetter``:
+a C callable, so the per-step checks that read it add no Python frame."""
 
 
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ inductor implementation. The same library holds the CPU finiteness check of §7.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +32,7 @@ from torch import Tensor
 from gefen.core.kernels import fused_update as reference
 from gefen.core.updaters import (
     StepScalars,
+    Updater,
     eager_advance_momentum_,
     eager_update_,
     hyper_values,
@@ -40,6 +42,7 @@ from gefen.dist.torch_internals import tensor_version
 
 __all__ = [
     "EncodeTables",
+    "GradientSums",
     "NativeMomentum",
     "NativeUpdater",
     "build_library",
@@ -54,7 +57,7 @@ logger = logging.getLogger("gefen.core")
 _SOURCE = pathlib.Path(__file__).with_name("gefen_update.c")
 _HEADERS = tuple(
     pathlib.Path(__file__).with_name(name)
-    for name in ("gefen_avx512.h", "gefen_tables.h", "gefen_finite.h")
+    for name in ("gefen_avx512.h", "gefen_tables.h", "gefen_finite.h", "gefen_momentum.h")
 )
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _LOCK = threading.Lock()
@@ -140,7 +143,13 @@ def build_library() -> ctypes.CDLL:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.POINTER(_Scalars),
+            ctypes.POINTER(_Scalars), ctypes.c_void_p,
+        ]  # fmt: skip
+        sums = library.gefen_factored_sums
+        sums.restype = ctypes.c_int
+        sums.argtypes = [
+            ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int32,
         ]  # fmt: skip
         momentum = library.gefen_momentum_codebook8
         momentum.restype = ctypes.c_int
@@ -224,12 +233,18 @@ class EncodeTables:
         return self._tables
 
 
+GradientSums = tuple[int, int, Tensor]
+"""A factored gradient's row means and column sums of g² (rows then columns, fp32), computed by
+the step preflight, after the storage address and version of the gradient they are of."""
+
+
 class NativeUpdater:
     """The ``Updater`` of ``gefen.core.updaters`` backed by the native kernel (CPU, contiguous)."""
 
     def __init__(self, *, portable: bool = False) -> None:
         library = build_library()
         self._function = library.gefen_update_codebook8
+        self._sums = library.gefen_factored_sums
         self._tables = EncodeTables(library)
         self._portable = int(portable)
         # The packed scalars of the last call: a group's parameters share their StepScalars
@@ -253,7 +268,39 @@ class NativeUpdater:
         self._packed = (scalars, t, tau, threads, packed)
         return packed
 
-    def __call__(self, param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: Any) -> None:
+    def gradient_sums(self, grad: Tensor) -> tuple[Updater, bool] | None:
+        """The factored family's reduction of a 2-D gradient (each row's mean of g², each
+        column's sum), read once in the step preflight: this kernel bound to it, for the commit,
+        and whether it shows the gradient finite (False: read the gradient itself, as g² may
+        overflow); None for a gradient the kernel reads through a copy (not a contiguous
+        fp32/bf16 CPU one)."""
+        if (
+            grad.dim() != 2
+            or grad.dtype not in _DTYPES
+            or grad.device.type != "cpu"
+            or not grad.is_contiguous()
+        ):
+            return None
+        rows, cols = int(grad.shape[0]), int(grad.shape[1])
+        values = torch.empty(rows + cols, dtype=torch.float32)
+        pointer = values.data_ptr()
+        status = self._sums(
+            grad.data_ptr(), _DTYPES[grad.dtype], rows, cols, pointer, pointer + 4 * rows,
+            self._portable,
+        )  # fmt: skip
+        sums = (grad.data_ptr(), tensor_version(grad), values)
+        return functools.partial(self, sums=sums), status == 0
+
+    def __call__(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        entry: dict[str, Any],
+        scalars: Any,
+        sums: GradientSums | None = None,
+    ) -> None:
+        """One parameter's update in place; ``sums``: the preflight's ``gradient_sums`` of this
+        very gradient (used only while its storage and version are unchanged)."""
         period = int(entry["period"])
         t, tau = int(entry["step"]) + 1, int(entry["v_step"]) + 1
         work = param if param.is_contiguous() else param.contiguous()
@@ -262,6 +309,16 @@ class NativeUpdater:
         packed = self._scalars(scalars, t, tau)
         v_row, v_col, v_block = entry.get("v_row"), entry.get("v_col"), entry.get("v_block")
         rows, cols = (int(param.shape[0]), int(param.shape[1])) if v_row is not None else (0, 0)
+        reduced = None
+        if (
+            sums is not None
+            and v_row is not None
+            and gradient is grad
+            and sums[2].numel() == rows + cols
+            and sums[0] == grad.data_ptr()
+            and sums[1] == tensor_version(grad)
+        ):
+            reduced = sums[2].data_ptr()
         status = self._function(
             work.data_ptr(), gradient.data_ptr(), _DTYPES[param.dtype],
             entry["momentum_codes"].data_ptr(), entry["momentum_scale"].data_ptr(),
@@ -270,7 +327,7 @@ class NativeUpdater:
             None if v_col is None else v_col.data_ptr(),
             rows, cols, param.numel() // period, period,
             codebook.data_ptr(), self._tables.get(scalars.codebook).data_ptr(),
-            ctypes.byref(packed),
+            ctypes.byref(packed), reduced,
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native kernel rejected its input (status {status})")

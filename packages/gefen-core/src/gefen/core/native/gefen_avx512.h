@@ -55,9 +55,8 @@ static inline __mmask64 join_masks(const __mmask16 m[4]) {
     return _kunpackd_mask64(_kunpackw_mask32(m[3], m[2]), _kunpackw_mask32(m[1], m[0]));
 }
 
-/* out[r] = table[index[16r + i]] for the 64 byte indices of ``index``. */
-static inline void lookup_floats(const float_table *t, __m512i order, __m512i index, __m512 out[4]) {
-    __m512i k = _mm512_permutexvar_epi8(order, index);
+/* out[r] = table[element 16r + i] for 64 byte indices given in LANE_ORDER (``k``). */
+static inline void lookup_floats_lane(const float_table *t, __m512i k, __m512 out[4]) {
     __m512i b0 = lookup_bytes(&t->plane[0], k), b1 = lookup_bytes(&t->plane[1], k);
     __m512i b2 = lookup_bytes(&t->plane[2], k), b3 = lookup_bytes(&t->plane[3], k);
     __m512i low01 = _mm512_unpacklo_epi8(b0, b1), high01 = _mm512_unpackhi_epi8(b0, b1);
@@ -66,6 +65,11 @@ static inline void lookup_floats(const float_table *t, __m512i order, __m512i in
     out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23));
     out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23));
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23));
+}
+
+/* out[r] = table[index[16r + i]] for the 64 byte indices of ``index`` (element order). */
+static inline void lookup_floats(const float_table *t, __m512i order, __m512i index, __m512 out[4]) {
+    lookup_floats_lane(t, _mm512_permutexvar_epi8(order, index), out);
 }
 
 static inline __mmask16 lanes(int64_t left) {
@@ -77,8 +81,24 @@ static inline __mmask64 byte_lanes(int64_t left) {
     return left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
 }
 
+/* Masked stores are slow on some CPUs (several cycles each on Zen 4, against one for a plain
+ * store), so a full chunk takes the plain store; only tails are masked. */
+static inline void store_floats(float *at, __mmask16 m, __m512 value) {
+    if (m == (__mmask16)0xFFFF) _mm512_storeu_ps(at, value);
+    else _mm512_mask_storeu_ps(at, m, value);
+}
+
+static inline __m512 load_floats(const float *at, __mmask16 m) {
+    return m == (__mmask16)0xFFFF ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(m, at);
+}
+
+static inline void store_bytes(uint8_t *at, __mmask64 m, __m512i value) {
+    if (m == ~(__mmask64)0) _mm512_storeu_si512(at, value);
+    else _mm512_mask_storeu_epi8(at, m, value);
+}
+
 static inline __m512 load16(const void *base, int dtype, int64_t i, __mmask16 m) {
-    if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+    if (dtype == DTYPE_F32) return load_floats((const float *)base + i, m);
     __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
@@ -86,7 +106,7 @@ static inline __m512 load16(const void *base, int dtype, int64_t i, __mmask16 m)
 /* fp32 -> bf16 as f32_to_bf16: round to nearest even, NaN made quiet. */
 static inline void store16(void *base, int dtype, int64_t i, __mmask16 m, __m512 value) {
     if (dtype == DTYPE_F32) {
-        _mm512_mask_storeu_ps((float *)base + i, m, value);
+        store_floats((float *)base + i, m, value);
         return;
     }
     __m512i bits = _mm512_castps_si512(value);
@@ -96,7 +116,9 @@ static inline void store16(void *base, int dtype, int64_t i, __mmask16 m, __m512
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
     rounded = _mm512_mask_or_epi32(rounded, nan, high, _mm512_set1_epi32(0x40));
-    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(rounded));
+    __m256i packed = _mm512_cvtepi32_epi16(rounded);
+    if (m == (__mmask16)0xFFFF) _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), packed);
+    else _mm256_mask_storeu_epi16((uint16_t *)base + i, m, packed);
 }
 
 /* advance(): decode, lerp, store, and the block's |max| on the bit patterns. */
@@ -121,7 +143,7 @@ static float advance_simd(const void *grad, int dtype, int64_t first, int64_t pe
             __m512 diff = _mm512_sub_ps(end, start);
             __m512 value = low ? _mm512_add_ps(start, _mm512_mul_ps(w, diff))
                                : _mm512_sub_ps(end, _mm512_mul_ps(diff, rest));
-            _mm512_mask_storeu_ps(advanced + at, m, value);
+            store_floats(advanced + at, m, value);
             __m512i bits = _mm512_and_si512(_mm512_castps_si512(value), magnitude);
             top = _mm512_mask_max_epu32(top, m, top, bits);
         }
@@ -132,39 +154,56 @@ static float advance_simd(const void *grad, int dtype, int64_t first, int64_t pe
     return maximum;
 }
 
-/* The §6.3 nearest indices of 64 advanced values (x[r] receives the normalised values). */
+/* LANE_ORDER's inverse: INVERSE_ORDER[16r + 4L + q] = 16L + 4r + q. */
+static const uint8_t INVERSE_ORDER[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+    4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+    8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63,
+};
+
+/* The §6.3 nearest indices of 64 advanced values (x[r] receives the normalised values). The
+ * coarse buckets are packed to bytes with in-lane packs, which leave them in LANE_ORDER, and
+ * the coarse counts are put back in element order with one permutation. */
 static inline __m512i nearest64(const float *advanced, int64_t left, float maximum,
                                 const gefen_tables *t, const byte_table coarse[2],
                                 const float_table *thresholds, __m512i order, __m512 x[4]) {
     const __m512 most = _mm512_set1_ps(maximum), one = _mm512_set1_ps(1.0f);
     const __m512 half = _mm512_set1_ps((float)(COARSE_BUCKETS / 2));
-    const __m512 last = _mm512_set1_ps((float)(COARSE_BUCKETS - 1));
-    __m512i buckets = _mm512_setzero_si512(); /* the low byte of each bucket */
-    __mmask16 upper[4];                        /* bucket >= 256 */
+    const __m512i last = _mm512_set1_epi32(COARSE_BUCKETS - 1);
+    /* |advanced| <= maximum, so x lies in [-1, 1] and its bucket needs no lower clamp; only a
+     * non-finite maximum (an infinite momentum) can make x NaN, which the reference maps to 0 */
+    int clean = maximum > 0.0f && maximum <= 3.40282347e+38f;
+    __m512i whole[4];
     for (int r = 0; r < 4; ++r) {
         __mmask16 m = lanes(left - 16 * r);
         __m512 value = _mm512_setzero_ps();
         if (maximum > 0.0f) {
-            value = _mm512_div_ps(_mm512_maskz_loadu_ps(m, advanced + 16 * r), most);
-            value = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(value, value, _CMP_ORD_Q), value);
+            value = _mm512_div_ps(load_floats(advanced + 16 * r, m), most);
+            if (!clean)
+                value = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(value, value, _CMP_ORD_Q), value);
         }
         x[r] = value;
-        __m512 b = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_add_ps(value, one), half),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        b = _mm512_min_ps(_mm512_max_ps(b, _mm512_setzero_ps()), last);
-        __m512i whole = _mm512_cvttps_epi32(b);
-        upper[r] = _mm512_test_epi32_mask(whole, _mm512_set1_epi32(256));
-        __m128i packed = _mm512_cvtepi32_epi8(whole);
-        buckets = _mm512_mask_broadcast_i32x4(buckets, (__mmask16)(0xF << (4 * r)), packed);
+        __m512 scaled = _mm512_mul_ps(_mm512_add_ps(value, one), half);
+        __m512i b = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        whole[r] = _mm512_min_epi32(b, last); /* x = 1 lands on 512 */
     }
-    __m512i start = _mm512_mask_blend_epi8(join_masks(upper), lookup_bytes(&coarse[0], buckets),
-                                           lookup_bytes(&coarse[1], buckets));
+    __m512i pair01 = _mm512_packus_epi32(whole[0], whole[1]);
+    __m512i pair23 = _mm512_packus_epi32(whole[2], whole[3]);
+    const __m512i low = _mm512_set1_epi16(0xFF);
+    __m512i buckets = _mm512_packus_epi16(_mm512_and_si512(pair01, low),
+                                          _mm512_and_si512(pair23, low));
+    __m512i high = _mm512_packus_epi16(_mm512_srli_epi16(pair01, 8), _mm512_srli_epi16(pair23, 8));
+    __mmask64 upper = _mm512_test_epi8_mask(high, high); /* bucket >= 256, LANE_ORDER */
+    __m512i coarse_count = _mm512_mask_blend_epi8(upper, lookup_bytes(&coarse[0], buckets),
+                                                  lookup_bytes(&coarse[1], buckets));
+    __m512i start = _mm512_permutexvar_epi8(_mm512_loadu_si512(INVERSE_ORDER), coarse_count);
     __m512i count = start;
     for (int step = 0; step < t->coarse_window; ++step) {
         /* saturating: index 255 holds T_255 = +inf, which no value exceeds */
-        __m512i probe = _mm512_adds_epu8(start, _mm512_set1_epi8((char)step));
+        __m512i probe = _mm512_adds_epu8(coarse_count, _mm512_set1_epi8((char)step));
         __m512 bound[4];
-        lookup_floats(thresholds, order, probe, bound);
+        lookup_floats_lane(thresholds, probe, bound);
         __mmask16 below[4];
         for (int r = 0; r < 4; ++r) below[r] = _mm512_cmp_ps_mask(bound[r], x[r], _CMP_LT_OQ);
         count = _mm512_mask_add_epi8(count, join_masks(below), count, _mm512_set1_epi8(1));
@@ -172,10 +211,14 @@ static inline __m512i nearest64(const float *advanced, int64_t left, float maxim
     return count;
 }
 
-/* encode_block (nearest) and apply_block in one pass; ``factor`` as in apply_block. */
+/* encode_block (nearest) and apply_block in one pass; ``factor`` as in apply_block, or, for a
+ * stretch of one row of a factored parameter, NULL with ``column_roots`` (its columns' roots)
+ * and ``row_root``: the step sizes are then computed here, as factored_factors does (the
+ * division runs beside the table lookups instead of in a loop of its own). */
 static void commit_nearest_simd(const float *advanced, float maximum, int64_t period,
                                 const gefen_tables *t, uint8_t *codes, void *param, int dtype,
                                 int64_t first, const float *factor, float block_s,
+                                const float *column_roots, float row_root,
                                 const gefen_scalars *s) {
     const byte_table coarse[2] = {load_bytes(t->coarse), load_bytes(t->coarse + 256)};
     const float_table thresholds = load_planes(t->threshold_planes);
@@ -183,18 +226,26 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
     const __m512i order = lane_order();
     const __m512 most = _mm512_set1_ps(maximum), lr = _mm512_set1_ps(s->lr);
     const __m512 decay = _mm512_set1_ps(s->decay), shared = _mm512_set1_ps(block_s);
+    const __m512 root = _mm512_set1_ps(row_root), eps = _mm512_set1_ps(s->eps);
+    const __m512 inv_bc1 = _mm512_set1_ps(s->inv_bc1);
     for (int64_t j = 0; j < period; j += 64) {
         __m512 x[4], chosen[4];
         __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds,
                                   order, x);
-        _mm512_mask_storeu_epi8(codes + j, byte_lanes(period - j), index);
+        store_bytes(codes + j, byte_lanes(period - j), index);
         if (!s->write) continue;
         lookup_floats(&cb, order, index, chosen);
         for (int r = 0; r < 4; ++r) {
             int64_t at = j + 16 * r;
             __mmask16 m = lanes(period - at);
             if (!m) break;
-            __m512 size = factor ? _mm512_maskz_loadu_ps(m, factor + at) : shared;
+            __m512 size = shared;
+            if (column_roots) {
+                __m512 column = load_floats(column_roots + at, m);
+                size = _mm512_div_ps(inv_bc1, _mm512_add_ps(_mm512_mul_ps(root, column), eps));
+            } else if (factor) {
+                size = load_floats(factor + at, m);
+            }
             __m512 update = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(chosen[r], most), size), lr);
             __m512 current = load16(param, dtype, first + at, m);
             if (s->has_decay) current = _mm512_mul_ps(current, decay);
@@ -215,11 +266,11 @@ static void momentum_nearest_simd(const float *advanced, float maximum, int64_t 
         __m512 x[4], chosen[4];
         __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds,
                                   order, x);
-        _mm512_mask_storeu_epi8(codes + j, byte_lanes(period - j), index);
+        store_bytes(codes + j, byte_lanes(period - j), index);
         lookup_floats(&cb, order, index, chosen);
         for (int r = 0; r < 4; ++r) {
             __mmask16 m = lanes(period - j - 16 * r);
-            _mm512_mask_storeu_ps(out + j + 16 * r, m, _mm512_mul_ps(chosen[r], most));
+            store_floats(out + j + 16 * r, m, _mm512_mul_ps(chosen[r], most));
         }
     }
 }

@@ -359,15 +359,23 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                         advance_any(grad, dtype, first + o, len, codes + first + o, old_scale,
                                     cb, s->one_minus_beta1, w.advanced, t, s->portable);
                     const float *factor = v_block ? NULL : w.factor;
-                    if (!v_block)
-                        factored_factors(first + o, len, v_row, v_col, cols, norm, s, w.factor);
 #if GEFEN_AVX512
                     if (!s->stochastic && !s->portable && t->coarse_window <= SIMD_MAX_WINDOW) {
+                        /* within one row the step sizes are computed in the pass itself */
+                        int64_t row = v_block ? 0 : (first + o) / cols;
+                        int64_t col = v_block ? 0 : (first + o) % cols;
+                        const float *column = !v_block && col + len <= cols ? v_col + col : NULL;
+                        if (!v_block && !column)
+                            factored_factors(first + o, len, v_row, v_col, cols, norm, s,
+                                             w.factor);
                         commit_nearest_simd(w.advanced, maximum, len, t, codes + first + o,
-                                            param, dtype, first + o, factor, block_s, s);
+                                            param, dtype, first + o, column ? NULL : factor,
+                                            block_s, column, column ? v_row[row] : 0.0f, s);
                         continue;
                     }
 #endif
+                    if (!v_block)
+                        factored_factors(first + o, len, v_row, v_col, cols, norm, s, w.factor);
                     encode_block(w.advanced, maximum, len, cb, t, s, first + o, &w,
                                  codes + first + o);
                     if (s->write)
@@ -380,110 +388,76 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
     }
 }
 
-/* §6.2: the row and column EMAs of g² over the whole (R, C) gradient; returns the normaliser
- * max(mean(v_row), FLT_MIN). Sums are accumulated in double. */
-static float factored_moments(const void *grad, int dtype, float *restrict v_row,
-                              float *restrict v_col, int64_t rows, int64_t cols,
+/* §6.2's reduction over the whole (R, C) gradient, in one read of it: each row's mean of g² into
+ * ``row_means`` and each column's sum of g² into ``column_sums`` (accumulated row after row, row
+ * sums in fixed lanes, both in float as torch's own reductions are). It doubles as the step
+ * preflight's finiteness check (§7.2) of a factored gradient: returns 0 when every row mean is
+ * finite, and then so is every element (squares are non-negative, so a NaN or ±Inf element
+ * makes its row's sum NaN or +Inf); 1 otherwise, and the caller checks the elements themselves
+ * (a finite |g| above about 1.8e19 overflows g² as well). */
+int gefen_factored_sums(const void *grad, int32_t dtype, int64_t rows, int64_t cols,
+                        float *row_means, float *column_sums, int32_t portable) {
+    memset(column_sums, 0, sizeof(float) * (size_t)cols);
+    int finite = 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        float mean = mean_square(grad, dtype, r * cols, cols, column_sums, portable);
+        row_means[r] = mean;
+        finite &= isfinite(mean) != 0;
+    }
+    return finite ? 0 : 1;
+}
+
+/* §6.2: the row and column EMAs of g² from the sums above; returns the normaliser
+ * max(mean(v_row), FLT_MIN), the mean taken in double. */
+static float factored_moments(float *restrict v_row, float *restrict v_col, int64_t rows,
+                              int64_t cols, const float *row_means, const float *column_sums,
                               const gefen_scalars *s) {
-    /* Column sums accumulate row after row and row sums in fixed lanes, both in float as
-     * torch's own reductions do; the normaliser's mean is taken in double. */
-    float *column_sums = (float *)calloc((size_t)cols, sizeof(float));
-    if (!column_sums) return -1.0f;
     double row_total = 0.0;
     for (int64_t r = 0; r < rows; ++r) {
-        int64_t first = r * cols;
-        float mean = mean_square(grad, dtype, first, cols, column_sums, s->portable);
-        v_row[r] = v_row[r] * s->beta2 + mean * s->one_minus_beta2;
+        v_row[r] = v_row[r] * s->beta2 + row_means[r] * s->one_minus_beta2;
         row_total += (double)v_row[r];
     }
     for (int64_t c = 0; c < cols; ++c)
         v_col[c] = v_col[c] * s->beta2 + (column_sums[c] / (float)rows) * s->one_minus_beta2;
-    free(column_sums);
     float mean = (float)(row_total / (double)rows);
     const float flt_min = 1.17549435e-38f;
     return mean > flt_min ? mean : flt_min;
 }
 
 /* The entry point: one codebook8 parameter of ``blocks`` x ``period`` elements, contiguous.
- * v_block != NULL selects the block family; otherwise v_row (rows) and v_col (cols). */
+ * v_block != NULL selects the block family; otherwise v_row (rows) and v_col (cols), with
+ * ``sums`` the gradient's row means then column sums from gefen_factored_sums (the preflight
+ * computed them), or NULL to compute them here. */
 int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t *codes,
                            float *scale, float *v_block, float *v_row, float *v_col,
                            int64_t rows, int64_t cols, int64_t blocks, int64_t period,
                            const float *codebook, const gefen_tables *tables,
-                           const gefen_scalars *s) {
+                           const gefen_scalars *s, const float *sums) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     float norm = 1.0f;
     int failed = 0;
-    float *row_roots = NULL, *column_roots = NULL;
+    float *roots = NULL, *own = NULL;
     if (!v_block) {
-        norm = factored_moments(grad, dtype, v_row, v_col, rows, cols, s);
-        if (norm < 0.0f) return 2;
-        row_roots = (float *)malloc(sizeof(float) * (size_t)rows);
-        column_roots = (float *)malloc(sizeof(float) * (size_t)cols);
-        if (!row_roots || !column_roots) {
-            free(row_roots);
-            free(column_roots);
-            return 2;
+        /* one buffer: the sums when not given, then the row and column roots */
+        size_t size = (size_t)(rows + cols) * (sums ? 1 : 2);
+        roots = (float *)malloc(sizeof(float) * size);
+        if (!roots) return 2;
+        if (!sums) {
+            own = roots + rows + cols;
+            gefen_factored_sums(grad, dtype, rows, cols, own, own + rows, s->portable);
+            sums = own;
         }
-        for (int64_t r = 0; r < rows; ++r) row_roots[r] = sqrtf(v_row[r] / norm);
-        for (int64_t c = 0; c < cols; ++c) column_roots[c] = sqrtf(v_col[c]) / s->sqrt_bc2;
+        norm = factored_moments(v_row, v_col, rows, cols, sums, sums + rows, s);
+        for (int64_t r = 0; r < rows; ++r) roots[r] = sqrtf(v_row[r] / norm);
+        for (int64_t c = 0; c < cols; ++c) roots[rows + c] = sqrtf(v_col[c]) / s->sqrt_bc2;
     }
-    update_blocks(param, grad, dtype, codes, scale, v_block, row_roots, column_roots, cols, norm,
-                  blocks, period, codebook, tables, s, &failed);
-    free(row_roots);
-    free(column_roots);
+    update_blocks(param, grad, dtype, codes, scale, v_block, roots, roots ? roots + rows : NULL,
+                  cols, norm, blocks, period, codebook, tables, s, &failed);
+    free(roots);
     return failed ? 2 : 0;
 }
 
-/* GefenMuon's step 1 for codebook8 momentum: ``lerp(decode, g, weight)`` re-encoded into
- * ``codes``/``scale`` in place; ``out`` (fp32, contiguous) receives the decoded stored momentum.
- * ``s`` supplies ``one_minus_beta1`` (the weight), ``stochastic``, ``stream`` and ``threads``. */
-int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, float *scale,
-                             float *out, int64_t blocks, int64_t period, const float *codebook,
-                             const gefen_tables *tables, const gefen_scalars *s) {
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
-    int failed = 0;
-    int64_t sub = period < SCRATCH ? period : SCRATCH;
-#pragma omp parallel num_threads(s->threads) if (s->threads > 1 && blocks > 1)
-    {
-        scratch w;
-        if (!scratch_init(&w, sub)) {
-            failed = 1;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; ++b) {
-                int64_t first = b * period;
-                float old_scale = scale[b];
-                float maximum = block_maximum(grad, dtype, first, period, sub, codes + first,
-                                              old_scale, codebook, s->one_minus_beta1, w.advanced,
-                                              tables, s->portable);
-                scale[b] = maximum;
-                for (int64_t o = 0; o < period; o += sub) {
-                    int64_t len = period - o < sub ? period - o : sub;
-                    if (period > sub)
-                        advance_any(grad, dtype, first + o, len, codes + first + o, old_scale,
-                                    codebook, s->one_minus_beta1, w.advanced, tables,
-                                    s->portable);
-#if GEFEN_AVX512
-                    if (!s->stochastic && !s->portable &&
-                        tables->coarse_window <= SIMD_MAX_WINDOW) {
-                        momentum_nearest_simd(w.advanced, maximum, len, tables,
-                                              codes + first + o, out + first + o);
-                        continue;
-                    }
-#endif
-                    encode_block(w.advanced, maximum, len, codebook, tables, s, first + o, &w,
-                                 codes + first + o);
-                    float *restrict target = out + first + o;
-                    for (int64_t j = 0; j < len; ++j) target[j] = w.advanced[j] * maximum;
-                }
-            }
-        }
-        scratch_free(&w);
-    }
-    return failed ? 2 : 0;
-}
-
+#include "gefen_momentum.h"
 #include "gefen_tables.h"
 #include "gefen_finite.h"
 
