@@ -88,10 +88,6 @@ static inline void store_floats(float *at, __mmask16 m, __m512 value) {
     else _mm512_mask_storeu_ps(at, m, value);
 }
 
-static inline __m512 load_floats(const float *at, __mmask16 m) {
-    return m == (__mmask16)0xFFFF ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(m, at);
-}
-
 static inline void store_bytes(uint8_t *at, __mmask64 m, __m512i value) {
     if (m == ~(__mmask64)0) _mm512_storeu_si512(at, value);
     else _mm512_mask_storeu_epi8(at, m, value);
@@ -107,7 +103,7 @@ static inline void prefetch_ahead(const void *base, int dtype, int64_t i) {
 }
 
 static inline __m512 load16(const void *base, int dtype, int64_t i, __mmask16 m) {
-    if (dtype == DTYPE_F32) return load_floats((const float *)base + i, m);
+    if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
     __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
@@ -177,7 +173,7 @@ static const uint8_t INVERSE_ORDER[64] = {
  * the coarse counts are put back in element order with one permutation. */
 static inline __m512i nearest64(const float *advanced, int64_t left, float maximum,
                                 const gefen_tables *t, const byte_table coarse[2],
-                                const float_table *thresholds, __m512i order, __m512 x[4]) {
+                                const float_table *thresholds, __m512 x[4]) {
     const __m512 most = _mm512_set1_ps(maximum), one = _mm512_set1_ps(1.0f);
     const __m512 half = _mm512_set1_ps((float)(COARSE_BUCKETS / 2));
     const __m512i last = _mm512_set1_epi32(COARSE_BUCKETS - 1);
@@ -189,7 +185,7 @@ static inline __m512i nearest64(const float *advanced, int64_t left, float maxim
         __mmask16 m = lanes(left - 16 * r);
         __m512 value = _mm512_setzero_ps();
         if (maximum > 0.0f) {
-            value = _mm512_div_ps(load_floats(advanced + 16 * r, m), most);
+            value = _mm512_div_ps(_mm512_maskz_loadu_ps(m, advanced + 16 * r), most);
             if (!clean)
                 value = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(value, value, _CMP_ORD_Q), value);
         }
@@ -240,8 +236,7 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
     const __m512 inv_bc1 = _mm512_set1_ps(s->inv_bc1);
     for (int64_t j = 0; j < period; j += 64) {
         __m512 x[4], chosen[4];
-        __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds,
-                                  order, x);
+        __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds, x);
         store_bytes(codes + j, byte_lanes(period - j), index);
         if (!s->write) continue;
         prefetch_ahead(param, dtype, first + j);
@@ -252,10 +247,10 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
             if (!m) break;
             __m512 size = shared;
             if (column_roots) {
-                __m512 column = load_floats(column_roots + at, m);
+                __m512 column = _mm512_maskz_loadu_ps(m, column_roots + at);
                 size = _mm512_div_ps(inv_bc1, _mm512_add_ps(_mm512_mul_ps(root, column), eps));
             } else if (factor) {
-                size = load_floats(factor + at, m);
+                size = _mm512_maskz_loadu_ps(m, factor + at);
             }
             __m512 update = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(chosen[r], most), size), lr);
             __m512 current = load16(param, dtype, first + at, m);
@@ -275,8 +270,7 @@ static void momentum_nearest_simd(const float *advanced, float maximum, int64_t 
     const __m512 most = _mm512_set1_ps(maximum);
     for (int64_t j = 0; j < period; j += 64) {
         __m512 x[4], chosen[4];
-        __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds,
-                                  order, x);
+        __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds, x);
         store_bytes(codes + j, byte_lanes(period - j), index);
         lookup_floats(&cb, order, index, chosen);
         for (int r = 0; r < 4; ++r) {
