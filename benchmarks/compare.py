@@ -294,14 +294,14 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
 # -- the parent: run every optimizer, compare, report ------------------------------------------
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """JSON-safe copy: non-finite floats become null."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: _clean(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -335,7 +335,7 @@ def run_worker(name: str, lr: float, args: argparse.Namespace, scratch: pathlib.
     return json.loads(out.read_text())
 
 
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     finite = [run for run in runs if run.get("eval_loss") is not None]
     if not finite:
         return runs[len(runs) // 2]
@@ -560,7 +560,7 @@ def parent(args: argparse.Namespace) -> int:
                 skipped.append({"optimizer": name, "reason": runs[-1]["failed"]})
                 failed = True
                 continue
-            chosen = dict(_best(runs))
+            chosen = dict(best_run(runs))
             chosen["sweep"] = [
                 {key: run.get(key) for key in ("lr", "train_loss", "eval_loss", "step_ms_median")}
                 for run in runs
@@ -612,7 +612,7 @@ def parent(args: argparse.Namespace) -> int:
         "skipped": skipped,
         "targets": goals,
     }
-    (out / "results.json").write_text(json.dumps(_clean(document), indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(json_safe(document), indent=1) + "\n")
     parameters = rows[0]["parameters"] if rows else None
     title = (
         f"{args.model_size} model ({parameters} params), {args.steps} steps, batch {args.batch}, "
@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps, --batch, --eval-batches and --threads must be positive")
     if args.worker:
         result = train_one(args.worker, args.worker_lr, args)
-        pathlib.Path(args.worker_out).write_text(json.dumps(_clean(result)))
+        pathlib.Path(args.worker_out).write_text(json.dumps(json_safe(result)))
         return 0
     return parent(args)
 

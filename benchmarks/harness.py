@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform
 import resource
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from harness_config import APOLLO_RECIPES, BETAS, WEIGHT_DECAY
+from harness_config import APOLLO_RECIPES, BETAS, GEFEN_ABLATION, WEIGHT_DECAY
 from torch import Tensor, nn
 
 NamedParams = list[tuple[str, Tensor]]
@@ -145,6 +146,44 @@ def _adam_mini(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return optimizer
 
 
+def variant_period(rule: str, shape: tuple[int, ...]) -> int | None:
+    """The period ``rule`` (harness_config.PERIOD_RULES) gives a parameter of quantized ``shape``,
+    or None where it defers to §4's search (``search``; ``row`` for a vector)."""
+    from gefen.core.kernels import MIN_SEARCHED_PERIOD, fallback
+
+    n = math.prod(shape)
+    if rule == "search" or n <= 1:
+        return None
+    if rule in ("row", "shape") and len(shape) >= 2 and n // shape[0] >= MIN_SEARCHED_PERIOD:
+        return n // shape[0]
+    if rule == "row":
+        return None
+    if rule in ("shape", "fallback"):
+        return fallback(n, shape)
+    raise ValueError(f"unknown period rule {rule!r}")
+
+
+def _gefen_variant(name: str, model: nn.Module, lr: float) -> Any:
+    """Gefen with an ablation variant's options; a period rule other than §4's search is applied
+    through Gefen's public ``select_new_period`` hook."""
+    from gefen.core import Gefen
+
+    variant = GEFEN_ABLATION[name]
+
+    class VariantGefen(Gefen):
+        def select_new_period(
+            self, group: Any, param: Tensor, view: Tensor, shape: tuple[int, ...]
+        ) -> int | None:
+            chosen = variant_period(variant.period_rule, shape)
+            if chosen is None:
+                return super().select_new_period(group, param, view, shape)
+            return chosen
+
+    return VariantGefen(
+        model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, **variant.options
+    )
+
+
 def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
     """The optimizer ``name`` over ``model``'s parameters; raises Unavailable for missing peers."""
     reason = peer_missing(name)
@@ -158,6 +197,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
         # gefen_eager: the eager reference kernels, for the fused-vs-eager loss comparison.
         fused = False if name == "gefen_eager" else None
         return Gefen(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=fused)
+    if name in GEFEN_ABLATION:
+        return _gefen_variant(name, model, lr)
     if name == "muon":
         from gefen.hybrid import split_params_for_muon
 
@@ -400,15 +441,36 @@ def print_targets(title: str, goals: list[dict[str, Any]]) -> None:
         print(f"  [{verdict:^12}] {goal['what']}: {value} (need {goal['target']}; {goal['note']})")
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` of /proc/cpuinfo (None off Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == field:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_generation() -> str | None:
+    """Family and model numbers and the L1 data cache: a VM's "AMD EPYC" hides the generation,
+    and the native kernel's speed relative to fused AdamW depends on it (Zen 4 is family 25,
+    Zen 5 family 26)."""
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    if family is None:
+        return None
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index0/size", encoding="utf-8") as handle:
+            l1d = handle.read().strip()
+    except OSError:
+        l1d = "?"
+    return f"family {family} model {model}, L1d {l1d}"
 
 
 def _version(distribution: str) -> str | None:
@@ -439,6 +501,7 @@ def environment(threads: int) -> dict[str, Any]:
         "versions": {name: _version(name) for name in distributions},
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_generation": _cpu_generation(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),  # type: ignore[no-untyped-call]

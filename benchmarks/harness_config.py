@@ -122,3 +122,35 @@ GEFEN_STEP_RATIO_MICRO = 2.0  # the same on micro.py's 16M and 4x2048 cases
 HYBRID_STEP_RATIO_VS_MUON = 1.2  # gefen_muon_gefen / torch Muon + AdamW, compare.py
 GEFEN_MUON_STEP_RATIO_VS_MUON = 1.1  # gefen_muon_gefen / torch Muon on micro.py's single matrix
 STEP_EXTRA_BYTES_PER_PARAM = 0.25  # Gefen's step extra (and GefenMuon's over torch Muon's), 4x2048
+
+# The ablation of ``ablation.py`` (issue "the quality-per-byte frontier"): each variant is Gefen at
+# its default LR with these constructor options and one period rule. ``search`` is §4's rule
+# (today's default); ``row``: one block per leading-dimension slice of every parameter with two or
+# more dimensions (``numel / shape[0]`` elements, the rule a row-sharded DTensor needs), §4's search
+# for vectors; ``shape``: ``row``, and one block per vector (its §4 fallback): a period known from
+# the shape alone; ``fallback``: §4's fallback for every parameter.
+PERIOD_RULES: tuple[str, ...] = ("search", "row", "shape", "fallback")
+
+
+@dataclass(frozen=True)
+class GefenVariant:
+    what: str
+    options: dict[str, Any]
+    period_rule: str = "search"
+
+
+GEFEN_ABLATION: dict[str, GefenVariant] = {
+    "gefen": GefenVariant("the defaults: codebook8, factored 2-D second moment, §4 search", {}),
+    "gefen_codec_none": GefenVariant("fp32 momentum", {"momentum_codec": "none"}),
+    "gefen_v_block": GefenVariant("block second moment for matrices", {"factored_v_2d": False}),
+    "gefen_v_element": GefenVariant(
+        "per-element second moment (period 1 everywhere)",
+        {"factored_v_2d": False, "force_1d_period_one": True, "force_2d_period_one": True},
+    ),
+    "gefen_period_row": GefenVariant("period: one block per row", {}, "row"),
+    "gefen_period_shape": GefenVariant("period: from the shape alone", {}, "shape"),
+    "gefen_period_fallback": GefenVariant("period: §4 fallback everywhere", {}, "fallback"),
+    "gefen_refresh_50": GefenVariant(
+        "codebook refreshed every 50 steps", {"codebook_refresh_every": 50}
+    ),
+}

@@ -319,3 +319,82 @@ def test_adam_mini_partitions_the_harness_model(bench: types.SimpleNamespace) ->
     assert state[block.qkv.bias]["v"].shape == block.qkv.bias.shape  # biases: plain Adam
     per_param = bench.harness.state_bytes(optimizer) / sum(p.numel() for p in model.parameters())
     assert 4.0 < per_param < 4.5  # the first moment in full, second moments nearly free
+
+
+# -- the ablation (benchmarks/ablation.py)
+
+
+def test_period_rules(bench: types.SimpleNamespace) -> None:
+    period = bench.harness.variant_period
+    assert period("search", (576, 192)) is None  # defers to §4's search
+    assert period("row", (576, 192)) == period("shape", (576, 192)) == 192
+    assert period("row", (4, 3, 8)) == 24  # the product of the non-leading dimensions
+    assert period("row", (192,)) is None  # a vector keeps the search under ``row``
+    assert period("shape", (192,)) == 192  # ... and is one block under ``shape``
+    assert period("row", (64, 4)) is None  # a row under 8 elements: the search and its fallback
+    assert period("shape", (64, 4)) == 256
+    assert period("fallback", (576, 192)) == 2048
+    assert period("shape", (1,)) is None
+    with pytest.raises(ValueError, match="unknown period rule"):
+        period("diagonal", (8, 8))
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gefen", {"embed.weight": 2048, "blocks.1.qkv.bias": 64}),  # §4's search, untouched
+        ("gefen_period_row", {"blocks.0.qkv.weight": 64, "embed.weight": 64}),
+        ("gefen_period_shape", {"blocks.0.qkv.weight": 64, "blocks.0.qkv.bias": 192}),
+        ("gefen_period_fallback", {"blocks.0.qkv.weight": 2048, "blocks.0.norm1.weight": 64}),
+    ],
+)
+def test_ablation_variants_apply_their_period_rule(
+    bench: types.SimpleNamespace, name: str, expected: dict[str, int]
+) -> None:
+    model = tiny_decoder(bench)
+    optimizer = bench.harness.build_optimizer(name, model, 1e-3)
+    one_step(model, optimizer, bench)
+    periods = {key: optimizer.state[param]["period"] for key, param in model.named_parameters()}
+    for key, period in expected.items():
+        assert periods[key] == period, (key, periods[key])
+
+
+def test_ablation_options_reach_the_optimizer(bench: types.SimpleNamespace) -> None:
+    model = tiny_decoder(bench)
+    optimizer = bench.harness.build_optimizer("gefen_codec_none", model, 1e-3)
+    assert {group["momentum_codec"] for group in optimizer.param_groups} == {"none"}
+    assert set(bench.harness_config.GEFEN_ABLATION) >= {"gefen", "gefen_period_shape"}
+    for variant in bench.harness_config.GEFEN_ABLATION.values():
+        assert variant.period_rule in bench.harness_config.PERIOD_RULES
+
+
+def test_ablation_tiny_run_writes_the_table(tmp_path: pathlib.Path) -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "ablation.py"),
+        "--model-size",
+        "tiny",
+        "--variants",
+        "gefen,gefen_codec_none",
+        "--eval-batches",
+        "2",
+        "--jobs",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "| `gefen_codec_none` | fp32 momentum |" in completed.stdout
+    document = json.loads((tmp_path / "ablation.json").read_text())
+    rows = {row["optimizer"]: row for row in document["results"]}
+    assert set(rows) == {"adamw", "gefen", "gefen_codec_none"}
+    assert rows["adamw"]["gap_vs_adamw"] == 0.0
+    assert rows["gefen"]["gap_vs_gefen"] == 0.0
+    assert (
+        0
+        < rows["gefen"]["state_bytes_per_param"]
+        < 2
+        < rows["gefen_codec_none"]["state_bytes_per_param"]
+    )
+    assert document["config"]["steps"] == 3
