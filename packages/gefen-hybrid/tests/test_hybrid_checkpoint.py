@@ -258,6 +258,13 @@ def test_state_dict_is_torchs_flat_layout_primitive_and_weights_only_loadable(
     # One index space, as torch numbers hybrid.param_groups; groups in order, each flagged.
     flags = [group["use_muon"] for group in sd["param_groups"]]
     assert flags == [child is hybrid.muon for child in hybrid.children for _ in child.param_groups]
+    # Every group carries the hybrid's own words, for DCP (which drops top-level keys).
+    words = {
+        "format_version": 1,
+        "backup_optimizer": backend,
+        **{half: getattr(hybrid, half) is not None for half in ("muon", "backup")},
+    }
+    assert all(group["gefen_hybrid"] == words for group in sd["param_groups"])
     ids = [index for group in sd["param_groups"] for index in group["params"]]
     assert ids == list(range(len(_params(hybrid))))
     assert sorted(sd["state"]) == ids
@@ -271,7 +278,8 @@ def test_state_dict_is_torchs_flat_layout_primitive_and_weights_only_loadable(
         groups = [g for g in sd["param_groups"] if g["use_muon"] == (half == "muon")]
         for group, child_group in zip(groups, own["param_groups"], strict=True):
             assert group["params"] == [index + offset for index in child_group["params"]]
-            _same({k: v for k, v in group.items() if k not in ("params", "use_muon")},
+            hybrid_only = ("params", "use_muon", "gefen_hybrid")
+            _same({k: v for k, v in group.items() if k not in hybrid_only},
                   {k: v for k, v in child_group.items() if k != "params"})  # fmt: skip
         for index, entry in own["state"].items():
             _same(sd["state"][index + offset], entry)
