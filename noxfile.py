@@ -257,9 +257,10 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The longer comparison (LR sweep), with the peers (8-/4-bit AdamW, APOLLO, Adam-mini)
-    installed when the index offers them, then the micro-benchmark. Arguments after ``--`` go to
-    compare.py."""
+    """The longer comparison (LR sweep) on the default and the large model, with the peers
+    (8-/4-bit AdamW, APOLLO, Adam-mini) installed when the index offers them, then the Gefen
+    ablation and the micro-benchmark. Arguments after ``--`` go to both compare.py runs. The
+    large model takes hours on a 2-core CPU."""
     _harness_install(session)
     for peer in PEERS:
         try:
@@ -267,6 +268,11 @@ def bench(session: nox.Session) -> None:
         except Exception:  # a missing peer is reported by the harness, not fatal here
             session.warn(f"{peer} could not be installed; the harness will skip it")
     session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs)
+    session.run(
+        "python", "benchmarks/compare.py", "--lr-sweep", "--model-size", "large", "--steps",
+        "300", "--out", "bench-out/large", *session.posargs,
+    )  # fmt: skip
+    session.run("python", "benchmarks/ablation.py", "--lr-sweep", "--out", "bench-out")
     session.run("python", "benchmarks/micro.py")
 
 

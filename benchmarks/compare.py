@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import torch
+from frontier import OURS, front, plot_frontier, points
 from harness import (
     PEER_MODULES,
     STEP_MEMORY_METHOD,
@@ -423,6 +424,16 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
             None if gefen_ms is None or peer_ms is None else gefen_ms < peer_ms,
             "goal; value is the ratio Gefen/peer",
         )
+    on_front = front(points(list(results.values())))
+    ours = [name for name in OURS if results.get(name, {}).get("eval_loss") is not None]
+    off = [name for name in ours if name not in on_front]
+    add(
+        "every optimizer of ours on the loss / state-bytes Pareto front",
+        "all on it",
+        None if not ours else float(len(off)),
+        None if not ours else not off,
+        f"value: how many are off it ({', '.join(off) or 'none'}); front: {', '.join(on_front)}",
+    )
     add(
         "codebook solve on 4096 active bins",
         f"<= {CODEBOOK_SOLVE_SECONDS} s",
@@ -611,6 +622,7 @@ def parent(args: argparse.Namespace) -> int:
         "results": rows,
         "skipped": skipped,
         "targets": goals,
+        "pareto_front": front(points(rows)),
     }
     (out / "results.json").write_text(json.dumps(json_safe(document), indent=1) + "\n")
     parameters = rows[0]["parameters"] if rows else None
@@ -619,7 +631,8 @@ def parent(args: argparse.Namespace) -> int:
         f"{args.threads} thread(s); {env['date_utc'][:10]}, {env['cpu']}"
     )
     plot(rows, out / "report.png", title)
-    print(f"\nwrote {out / 'results.json'} and {out / 'report.png'}")
+    plot_frontier(rows, out / "frontier.png", title)
+    print(f"\nwrote {out / 'results.json'}, {out / 'report.png'} and {out / 'frontier.png'}")
     return 1 if failed or not rows else 0
 
 

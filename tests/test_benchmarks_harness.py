@@ -90,9 +90,13 @@ def test_compare_tiny_run_writes_results_and_report(tmp_path: pathlib.Path) -> N
     assert "GefenMuonHybrid (Gefen backup) step time vs torch Muon + AdamW" in goals
     assert "step_memory" in document["config"]
 
-    png = out / "report.png"
-    assert png.stat().st_size > 1000
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in (out / "report.png", out / "frontier.png"):
+        assert png.stat().st_size > 1000
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(document["pareto_front"]) <= {"adamw", "gefen"}
+    assert document["pareto_front"]  # two finished runs: at least one is not dominated
+    frontier_goal = goals["every optimizer of ours on the loss / state-bytes Pareto front"]
+    assert frontier_goal["met"] == ("gefen" in document["pareto_front"])
 
 
 def test_micro_small_cases_write_json(tmp_path: pathlib.Path) -> None:
@@ -398,3 +402,23 @@ def test_ablation_tiny_run_writes_the_table(tmp_path: pathlib.Path) -> None:
         < rows["gefen_codec_none"]["state_bytes_per_param"]
     )
     assert document["config"]["steps"] == 3
+
+
+def test_pareto_front(bench: types.SimpleNamespace) -> None:
+    frontier = importlib.import_module("frontier")
+    found = [
+        ("adamw", 8.0, 2.52),
+        ("gefen", 1.05, 2.55),
+        ("apollo_mini", 0.41, 2.50),  # fewer bytes and a lower loss than gefen: gefen is off
+        ("hybrid", 1.02, 2.25),
+        ("twin", 1.02, 2.25),  # an equal point dominates nothing and is not dominated
+        ("muon", 4.2, 2.27),
+    ]
+    assert frontier.front(found) == ["apollo_mini", "hybrid", "twin"]
+    assert frontier.front([]) == []
+    rows = [
+        {"optimizer": "gefen", "eval_loss": 2.5, "state_bytes_per_param": 1.0},
+        {"optimizer": "gefen_eager", "eval_loss": 2.5, "state_bytes_per_param": 1.0},
+        {"optimizer": "adamw", "eval_loss": None, "state_bytes_per_param": 8.0},  # diverged
+    ]
+    assert frontier.points(rows) == [("gefen", 1.0, 2.5)]  # the eager twin is left out
