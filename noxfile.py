@@ -43,6 +43,7 @@ LEGAL_FILES = ("LICENSE", "NOTICE")  # in every archive (license-files)
 HARNESS_TOOLS = ("tqdm", "matplotlib")  # benchmarks/compare.py (and its test in tests/)
 # Compared against by ``bench`` when the index offers them (apollo-torch: APOLLO and APOLLO-Mini).
 PEERS = ("bitsandbytes", "torchao", "apollo-torch", "adam-mini")
+GEFENX = "gefen-x==0.5.0"  # the upstream fork the harness compares with, always in its own venv
 
 nox.options.sessions = ["build", "tests", "tests_all", "typecheck", "lint"]
 nox.options.default_venv_backend = "venv"  # pip venvs: torch comes from the local CPU wheel
@@ -255,6 +256,23 @@ def demo(session: nox.Session) -> None:
     session.run("python", "benchmarks/compare.py", *session.posargs)
 
 
+def _gefenx_venv(session: nox.Session) -> dict[str, str]:
+    """A venv of its own for Gefen-X (its regular ``gefen`` package would shadow ours): torch,
+    tqdm and gefen-x, none of our packages. Returns the environment that points the harness at
+    it, or {} (the harness then skips the Gefen-X rows) when the index does not offer gefen-x."""
+    venv = ROOT / "bench-out" / "gefenx-venv"
+    python = venv / "bin" / "python"
+    try:
+        session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
+        session.run(
+            str(python), "-m", "pip", "install", TORCH, "tqdm", GEFENX, external=True, silent=True
+        )
+    except Exception:  # an absent peer is reported by the harness, not fatal here
+        session.warn(f"{GEFENX} could not be installed in its own venv; the harness will skip it")
+        return {}
+    return {"GEFENX_PYTHON": str(python)}
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """The longer comparison (LR sweep) on the default and the large model, with the peers
@@ -267,10 +285,11 @@ def bench(session: nox.Session) -> None:
             session.install(peer, TORCH)  # TORCH: a peer's dependencies never move torch
         except Exception:  # a missing peer is reported by the harness, not fatal here
             session.warn(f"{peer} could not be installed; the harness will skip it")
-    session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs)
+    env = _gefenx_venv(session)
+    session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs, env=env)
     session.run(
         "python", "benchmarks/compare.py", "--lr-sweep", "--model-size", "large", "--steps",
-        "300", "--out", "bench-out/large", *session.posargs,
+        "300", "--out", "bench-out/large", *session.posargs, env=env,
     )  # fmt: skip
     session.run("python", "benchmarks/ablation.py", "--lr-sweep", "--out", "bench-out")
     session.run("python", "benchmarks/micro.py")

@@ -132,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="workers run at once")
     parser.add_argument("--lr-sweep", action="store_true", help=f"x{SWEEP_MULTIPLIERS} each LR")
     parser.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip AdamW (gaps to it are then not given)"
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or STEPS[args.model_size]
     if min(args.steps, args.batch, args.eval_batches, args.threads, args.jobs) < 1:
         parser.error("--steps, --batch, --eval-batches, --threads and --jobs must be positive")
-    names = [REFERENCE, *(name for name in selected(args.variants) if name != REFERENCE)]
+    reference = [] if args.no_reference else [REFERENCE]
+    names = [*reference, *(name for name in selected(args.variants) if name != REFERENCE)]
     rows = summarise(run_all(names, args))
     table = markdown(rows)
     print(table)

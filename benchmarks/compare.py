@@ -45,6 +45,7 @@ from harness import (
     state_bytes,
     timed_step,
     worker_env,
+    worker_python,
 )
 from harness_config import (
     CODEBOOK_SOLVE_SECONDS,
@@ -309,7 +310,7 @@ def json_safe(value: Any) -> Any:
 def run_worker(name: str, lr: float, args: argparse.Namespace, scratch: pathlib.Path) -> Any:
     out = scratch / f"{name}-{lr:.6g}.json"
     command = [
-        sys.executable,
+        worker_python(name),
         str(pathlib.Path(__file__).resolve()),
         "--worker",
         name,

@@ -29,7 +29,14 @@ PEER_MODULES = {
     "apollo": "apollo_torch",
     "apollo_mini": "apollo_torch",
     "adam_mini": "adam_mini",
+    "gefenx": "gefen",  # Gefen-X: imported only in its own venv (see OWN_VENV)
+    "gefenx_hybrid": "gefen",
 }
+
+# Peers that must run in a venv of their own: Gefen-X ships a regular ``gefen/__init__.py``, which
+# would shadow our ``gefen`` namespace, so its workers run under the interpreter this variable
+# names (a venv with torch, tqdm and gefen-x and none of our packages; ``nox -s bench`` makes one).
+OWN_VENV = {"gefenx": "GEFENX_PYTHON", "gefenx_hybrid": "GEFENX_PYTHON"}
 
 # adam-mini partitions parameters by name substrings and lets users add their own (its documented
 # ``optimizer.<kind>_names.add(...)``). compare.py's Decoder names them differently from the
@@ -48,8 +55,19 @@ class Unavailable(Exception):
     """The optimizer cannot run here (peer not installed or not usable on this device)."""
 
 
+def worker_python(name: str) -> str:
+    """The interpreter ``name``'s worker runs under: its own venv's for OWN_VENV peers."""
+    variable = OWN_VENV.get(name)
+    return os.environ.get(variable, "") if variable else sys.executable
+
+
 def peer_missing(name: str) -> str | None:
     """Why ``name`` cannot run (its peer package is not importable), or None."""
+    if name in OWN_VENV:
+        python = worker_python(name)
+        if not python or not os.path.exists(python):
+            return f"{name} runs in its own venv: set {OWN_VENV[name]} to that venv's python"
+        return None  # the worker itself reports a venv without gefen-x
     module = PEER_MODULES.get(name)
     if module is not None and importlib.util.find_spec(module) is None:
         return f"{module} is not installed"
@@ -184,6 +202,33 @@ def _gefen_variant(name: str, model: nn.Module, lr: float) -> Any:
     )
 
 
+def _gefenx(name: str, model: nn.Module, lr: float) -> Any:
+    """Gefen-X 0.5.0 with its published recipes: ``Gefen`` at its defaults (factored 2-D second
+    moment); the hybrid with its lowest-memory recipe (Gefen backup at half the learning rate
+    with period-one vectors, tuned three-step Newton–Schulz, NorMuon, AdamW-matched LR)."""
+    try:
+        version = importlib.metadata.version("gefen-x")
+        from gefen import Gefen, GefenMuonHybrid  # type: ignore[attr-defined]
+    except Exception as error:
+        raise Unavailable(f"gefen-x does not import in this interpreter: {error!r}") from error
+    if not version.startswith("0.5."):
+        raise Unavailable(f"the recipe is gefen-x 0.5's; this is {version}")
+    if name == "gefenx":
+        return Gefen(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    return GefenMuonHybrid(
+        model,
+        lr=lr,
+        backup_optimizer="gefen",
+        backup_lr=0.5 * lr,
+        backup_1d_period_one=True,
+        ns_schedule="tuned3",
+        normuon=True,
+        adjust_lr_fn="match_rms_adamw",
+        betas=BETAS,
+        weight_decay=WEIGHT_DECAY,
+    )
+
+
 def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
     """The optimizer ``name`` over ``model``'s parameters; raises Unavailable for missing peers."""
     reason = peer_missing(name)
@@ -237,6 +282,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
         return cls(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     if name in APOLLO_RECIPES:
         return _apollo(name, model, lr)
+    if name in OWN_VENV:
+        return _gefenx(name, model, lr)
     if name == "adam_mini":
         return _adam_mini(model, lr)
     raise ValueError(f"unknown optimizer {name!r}")
@@ -246,10 +293,9 @@ def child_optimizers(optimizer: Any) -> list[Any]:
     """The torch optimizers that hold state: a pair's or a hybrid's children, else itself."""
     if isinstance(optimizer, OptimizerPair):
         return optimizer.children
-    children = getattr(optimizer, "_children", None)  # GefenMuonHybrid
-    if isinstance(children, tuple) and children:
-        return list(children)
-    return [optimizer]
+    halves = [getattr(optimizer, half, None) for half in ("muon", "backup")]  # either hybrid
+    children = [child for child in halves if isinstance(child, torch.optim.Optimizer)]
+    return children or [optimizer]
 
 
 # Objects in optimizer state whose attributes are not walked (they are not state the optimizer

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Every optimizer the harness knows, in table order. Peers (bitsandbytes, torchao, apollo-torch,
-# adam-mini) run only when importable and usable on the device; the others always run.
+# adam-mini) run only when importable and usable on the device, Gefen-X (``gefenx``,
+# ``gefenx_hybrid``) only in its own venv (harness.OWN_VENV); the others always run.
 OPTIMIZERS: tuple[str, ...] = (
     "adamw",
     "gefen",
@@ -25,6 +26,8 @@ OPTIMIZERS: tuple[str, ...] = (
     "apollo",
     "apollo_mini",
     "adam_mini",
+    "gefenx",
+    "gefenx_hybrid",
 )
 
 # The one table of default learning rates (peak of the schedule below), chosen from a
@@ -48,6 +51,10 @@ DEFAULT_LR: dict[str, float] = {
     "apollo": 3e-3,
     "apollo_mini": 1.5e-3,
     "adam_mini": 3.75e-4,
+    # Gefen-X 0.5.0 (its own venv): the AdamW-scale rates of our Gefen and hybrid, pending a sweep
+    # (its hybrid recipe keeps Muon on the AdamW scale and halves the backup's rate itself).
+    "gefenx": 7.5e-4,
+    "gefenx_hybrid": 1.2e-2,
 }
 
 # The published APOLLO / APOLLO-Mini recipes (apollo-torch's README): the hidden matrices go to
@@ -150,6 +157,9 @@ GEFEN_ABLATION: dict[str, GefenVariant] = {
     "gefen_period_row": GefenVariant("period: one block per row", {}, "row"),
     "gefen_period_shape": GefenVariant("period: from the shape alone", {}, "shape"),
     "gefen_period_fallback": GefenVariant("period: §4 fallback everywhere", {}, "fallback"),
+    "gefen_period_row_vec1": GefenVariant(
+        "period: one block per row, period 1 for vectors", {"force_1d_period_one": True}, "row"
+    ),
     "gefen_refresh_50": GefenVariant(
         "codebook refreshed every 50 steps", {"codebook_refresh_every": 50}
     ),

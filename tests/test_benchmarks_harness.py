@@ -422,3 +422,56 @@ def test_pareto_front(bench: types.SimpleNamespace) -> None:
         {"optimizer": "adamw", "eval_loss": None, "state_bytes_per_param": 8.0},  # diverged
     ]
     assert frontier.points(rows) == [("gefen", 1.0, 2.5)]  # the eager twin is left out
+
+
+# -- Gefen-X (its own venv: its regular ``gefen`` package would shadow ours)
+
+GEFENX = ("gefenx", "gefenx_hybrid")
+
+
+@pytest.mark.parametrize("name", GEFENX)
+def test_gefenx_without_its_venv_is_a_clean_skip(
+    bench: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    harness, config = bench.harness, bench.harness_config
+    assert name in config.OPTIMIZERS
+    assert config.DEFAULT_LR[name] > 0
+    monkeypatch.delenv("GEFENX_PYTHON", raising=False)
+    reason = harness.peer_missing(name)
+    assert reason == f"{name} runs in its own venv: set GEFENX_PYTHON to that venv's python"
+    with pytest.raises(harness.Unavailable, match="runs in its own venv"):
+        harness.build_optimizer(name, tiny_decoder(bench), 1e-3)
+    monkeypatch.setenv("GEFENX_PYTHON", "/nonexistent/python")
+    assert harness.peer_missing(name) is not None
+
+
+@pytest.mark.parametrize("name", GEFENX)
+def test_gefenx_workers_use_their_own_interpreter_and_never_ours(
+    bench: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    harness = bench.harness
+    monkeypatch.setenv("GEFENX_PYTHON", sys.executable)  # a venv without gefen-x: ours
+    assert harness.worker_python(name) == sys.executable
+    assert harness.worker_python("gefen") == sys.executable
+    assert harness.peer_missing(name) is None
+    # Here ``gefen`` is our namespace package, so the worker reports a clean skip, never ours.
+    with pytest.raises(harness.Unavailable, match="gefen-x does not import"):
+        harness.build_optimizer(name, tiny_decoder(bench), 1e-3)
+    monkeypatch.setenv("GEFENX_PYTHON", "/opt/gefenx/bin/python")
+    assert harness.worker_python(name) == "/opt/gefenx/bin/python"
+    assert harness.worker_python("adamw") == sys.executable
+
+
+def test_ablation_summary_without_the_reference(bench: types.SimpleNamespace) -> None:
+    ablation = importlib.import_module("ablation")
+    runs = {
+        "gefen": [{"lr": 1e-3, "eval_loss": 2.6}, {"lr": 5e-4, "eval_loss": 2.5}],
+        "gefen_codec_none": [{"lr": 1e-3, "eval_loss": 2.55, "state_bytes_per_param": 4.0}],
+    }
+    rows = {row["optimizer"]: row for row in ablation.summarise(runs)}
+    assert rows["gefen"]["lr"] == 5e-4  # the best of the sweep
+    assert rows["gefen_codec_none"]["gap_vs_gefen"] == pytest.approx(2.55 / 2.5 - 1)
+    assert all(row["gap_vs_adamw"] is None for row in rows.values())
+    assert "| `gefen_codec_none` | fp32 momentum | 0.001 |" in ablation.markdown(
+        list(rows.values())
+    )
