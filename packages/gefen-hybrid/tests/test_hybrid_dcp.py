@@ -9,6 +9,7 @@ children unchanged (deep snapshot) and the hybrid still trains.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -19,16 +20,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gefen.hybrid import GefenMuonHybrid
-from gefen.hybrid.testing import TinyLM, assert_same_hybrid, hybrid_snapshot
+from gefen.hybrid.testing import MUON_NAMES, TinyLM, assert_same_hybrid, hybrid_snapshot
 
 BACKENDS = ["gefen", "adamw"]
 PREFIX = "GefenMuonHybrid checkpoint: "
 
 
-def _build(backend: str) -> tuple[TinyLM, GefenMuonHybrid]:
+def _build(backend: str, form: str = "full") -> tuple[TinyLM, GefenMuonHybrid]:
     torch.manual_seed(0)
     model = TinyLM()
-    return model, GefenMuonHybrid(model, lr=1e-2, ns_steps=1, fused=False, backup_optimizer=backend)
+    kwargs: dict[str, Any] = {"lr": 1e-2, "ns_steps": 1, "fused": False}
+    if form == "full":
+        return model, GefenMuonHybrid(model, backup_optimizer=backend, **kwargs)
+    named = list(model.named_parameters())
+    muon = [(n, p) for n, p in named if n in MUON_NAMES] if form == "muon-only" else []
+    backup = [(n, p) for n, p in named if n not in MUON_NAMES] if form == "backup-only" else []
+    return model, GefenMuonHybrid(muon, backup, backup_optimizer=backend, **kwargs)
 
 
 def _grads(model: TinyLM, seed: int) -> None:
@@ -69,13 +76,15 @@ def test_a_fresh_hybrid_stays_pristine_under_get(backend: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(values, _values(model), strict=True))
 
 
+@pytest.mark.parametrize("form", ["full", "muon-only", "backup-only"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_get_then_set_into_a_fresh_hybrid_resumes_bit_exactly(backend: str) -> None:
-    model, hybrid = _build(backend)
+def test_get_then_set_into_a_fresh_hybrid_resumes_bit_exactly(backend: str, form: str) -> None:
+    model, hybrid = _build(backend, form)
     _train(model, hybrid, 3, seed=1)
     # A copy, as a file would hold: torch's AdamW keeps the very tensors it loads.
     saved = copy.deepcopy(get_optimizer_state_dict(model, hybrid))
-    resumed_model, resumed = _build(backend)
+    assert "gefen_hybrid" not in saved
+    resumed_model, resumed = _build(backend, form)
     resumed_model.load_state_dict(model.state_dict())
     set_optimizer_state_dict(resumed_model, resumed, saved)
     _train(model, hybrid, 3, seed=7)
@@ -149,7 +158,7 @@ def test_a_bad_group_copy_or_name_is_rejected_with_nothing_changed(backend: str,
     broken = copy.deepcopy(named)
     corrupt(broken)
     before, values = hybrid_snapshot(hybrid), _values(model)
-    with pytest.raises(ValueError, match=PREFIX + ".*" + _escaped(message)):
+    with pytest.raises(ValueError, match=PREFIX + ".*" + re.escape(message)):
         hybrid.load_state_dict(broken)
     assert_same_hybrid(before, hybrid_snapshot(hybrid))
     assert all(torch.equal(a, b) for a, b in zip(values, _values(model), strict=True))
@@ -157,9 +166,3 @@ def test_a_bad_group_copy_or_name_is_rejected_with_nothing_changed(backend: str,
     params = _values(model)
     _train(model, hybrid, 1, seed=9)
     assert all(not torch.equal(a, b) for a, b in zip(params, _values(model), strict=True))
-
-
-def _escaped(text: str) -> str:
-    import re
-
-    return re.escape(text)
