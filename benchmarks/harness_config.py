@@ -51,8 +51,9 @@ DEFAULT_LR: dict[str, float] = {
     "apollo": 3e-3,
     "apollo_mini": 1.5e-3,
     "adam_mini": 3.75e-4,
-    # Gefen-X 0.5.0 (its own venv): the AdamW-scale rates of our Gefen and hybrid, pending a sweep
-    # (its hybrid recipe keeps Muon on the AdamW scale and halves the backup's rate itself).
+    # Gefen-X 0.5.0 (its own venv): the rates of our Gefen and hybrid, each its best of a sweep
+    # of the default run (2026-12-02, benchmarks/results/gefenx_sweep.json); its hybrid recipe
+    # keeps Muon on the AdamW scale and halves the backup's rate itself.
     "gefenx": 7.5e-4,
     "gefenx_hybrid": 1.2e-2,
 }
