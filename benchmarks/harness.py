@@ -185,6 +185,7 @@ def _gefen_variant(name: str, model: nn.Module, lr: float) -> Any:
     """Gefen with an ablation variant's options; a period rule other than §4's search is applied
     through Gefen's public ``select_new_period`` hook."""
     from gefen.core import Gefen
+    from gefen.core.kernels import select_period
 
     variant = GEFEN_ABLATION[name]
 
@@ -193,9 +194,11 @@ def _gefen_variant(name: str, model: nn.Module, lr: float) -> Any:
             self, group: Any, param: Tensor, view: Tensor, shape: tuple[int, ...]
         ) -> int | None:
             chosen = variant_period(variant.period_rule, shape)
-            if chosen is None:
-                return super().select_new_period(group, param, view, shape)
-            return chosen
+            if chosen is not None:
+                return chosen
+            if variant.period_rule == "search" and self.template_period(group, param) != 1:
+                return select_period(view, shape, force_one=False)  # §4 even for matrices
+            return super().select_new_period(group, param, view, shape)
 
     return VariantGefen(
         model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, **variant.options

@@ -132,11 +132,11 @@ GEFEN_MUON_STEP_RATIO_VS_MUON = 1.1  # gefen_muon_gefen / torch Muon on micro.py
 STEP_EXTRA_BYTES_PER_PARAM = 0.25  # Gefen's step extra (and GefenMuon's over torch Muon's), 4x2048
 
 # The ablation of ``ablation.py`` (issue "the quality-per-byte frontier"): each variant is Gefen at
-# its default LR with these constructor options and one period rule. ``search`` is §4's rule
-# (today's default); ``row``: one block per leading-dimension slice of every parameter with two or
-# more dimensions (``numel / shape[0]`` elements, the rule a row-sharded DTensor needs), §4's search
-# for vectors; ``shape``: ``row``, and one block per vector (its §4 fallback): a period known from
-# the shape alone; ``fallback``: §4's fallback for every parameter.
+# its default LR with these constructor options and one period rule. ``row`` is Gefen's own rule
+# since gefen-core 0.2 (one block per leading-dimension slice of every parameter with two or more
+# dimensions and rows of at least 8 elements, §4's search for the rest); ``search``: §4's search
+# for every parameter (the rule before 0.2); ``shape``: ``row``, and one block per vector (its §4
+# fallback), a period known from the shape alone; ``fallback``: §4's fallback for every parameter.
 PERIOD_RULES: tuple[str, ...] = ("search", "row", "shape", "fallback")
 
 
@@ -144,18 +144,20 @@ PERIOD_RULES: tuple[str, ...] = ("search", "row", "shape", "fallback")
 class GefenVariant:
     what: str
     options: dict[str, Any]
-    period_rule: str = "search"
+    period_rule: str = "row"
 
 
 GEFEN_ABLATION: dict[str, GefenVariant] = {
-    "gefen": GefenVariant("the defaults: codebook8, factored 2-D second moment, §4 search", {}),
+    "gefen": GefenVariant(
+        "the defaults: codebook8, factored 2-D second moment, one block per row", {}
+    ),
     "gefen_codec_none": GefenVariant("fp32 momentum", {"momentum_codec": "none"}),
     "gefen_v_block": GefenVariant("block second moment for matrices", {"factored_v_2d": False}),
     "gefen_v_element": GefenVariant(
         "per-element second moment (period 1 everywhere)",
         {"factored_v_2d": False, "force_1d_period_one": True, "force_2d_period_one": True},
     ),
-    "gefen_period_row": GefenVariant("period: one block per row", {}, "row"),
+    "gefen_period_search": GefenVariant("period: §4 search everywhere", {}, "search"),
     "gefen_period_shape": GefenVariant("period: from the shape alone", {}, "shape"),
     "gefen_period_fallback": GefenVariant("period: §4 fallback everywhere", {}, "fallback"),
     "gefen_period_row_vec1": GefenVariant(

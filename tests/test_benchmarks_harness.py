@@ -346,8 +346,8 @@ def test_period_rules(bench: types.SimpleNamespace) -> None:
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
-        ("gefen", {"embed.weight": 2048, "blocks.1.qkv.bias": 64}),  # §4's search, untouched
-        ("gefen_period_row", {"blocks.0.qkv.weight": 64, "embed.weight": 64}),
+        ("gefen", {"blocks.0.qkv.weight": 64, "embed.weight": 64}),  # Gefen's own row rule
+        ("gefen_period_search", {"embed.weight": 2048, "blocks.1.qkv.bias": 64}),
         ("gefen_period_shape", {"blocks.0.qkv.weight": 64, "blocks.0.qkv.bias": 192}),
         ("gefen_period_fallback", {"blocks.0.qkv.weight": 2048, "blocks.0.norm1.weight": 64}),
     ],

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gefen.core import Gefen
+from gefen.core.testing import format1_state_dict
 from gefen.core.testing import weights_only_round_trip as _roundtrip
 
 
@@ -47,7 +48,10 @@ def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:
         "deterministic",
         "momentum_codec",
         "initialized_params",
+        "codebook_present",
     }
+    assert extras["format_version"] == 2
+    assert extras["codebook_present"] == 1
     for group in sd["param_groups"]:
         assert group["gefen"] is not extras
         assert group["gefen"].keys() == extras.keys()
@@ -237,8 +241,9 @@ def test_deep_record_detects_each_kind_of_mutation() -> None:
 
 
 def _corrupt(mutator):
+    """A format 1 checkpoint (the live forms the rules name) with one rule broken."""
     optimizer, _ = _trained()
-    sd = copy.deepcopy(optimizer.state_dict())
+    sd = format1_state_dict(optimizer, optimizer.state_dict())
     mutator(sd)
     return sd
 
@@ -282,7 +287,7 @@ REJECTIONS = [
         "differ",
     ),
     ("unknown extras", lambda sd: _both(sd, "colour", 1), "unknown extras key 'colour'"),
-    ("format", lambda sd: _both(sd, "format_version", 2), "format_version"),
+    ("format", lambda sd: _both(sd, "format_version", 3), "format_version"),
     ("global step", lambda sd: _both(sd, "global_step", True), "global_step"),
     ("deterministic", lambda sd: _both(sd, "deterministic", True), "deterministic"),
     ("codec", lambda sd: _both(sd, "momentum_codec", "none"), "momentum_codec"),
@@ -399,7 +404,7 @@ NONE_CODEC_REJECTIONS = [
 )
 def test_none_codec_rules_reject_without_change(name: str, mutator, fragment: str, rejects) -> None:
     source, _ = _trained(3, momentum_codec="none")
-    sd = copy.deepcopy(source.state_dict())
+    sd = format1_state_dict(source, source.state_dict())
     mutator(sd)
     pristine = copy.deepcopy(sd)
     target, _ = _trained(2, momentum_codec="none")

@@ -51,6 +51,7 @@ EXPECTED = {
     "run_load": "gefen.core.transaction",
     "run_step": "gefen.core.transaction",
     "select_period": "gefen.core.kernels",
+    "row_period": "gefen.core.kernels",
     "stage_entries": "gefen.core.loading",
     "torch_indices": "gefen.core.saving",
     "validate_gradient_structure": "gefen.core.validation",

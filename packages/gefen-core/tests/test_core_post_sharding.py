@@ -292,6 +292,7 @@ def _with_codebook_only(setup: Setup) -> None:
     sd = setup.opt.state_dict()
     for extras in (sd["gefen"], *(g["gefen"] for g in sd["param_groups"])):
         extras["codebook"] = donor.opt.codebook.clone()
+        extras["codebook_present"] = 1
     setup.opt.load_state_dict(sd)
     assert setup.opt.codebook is not None
     assert setup.opt.global_step == 0
@@ -830,7 +831,9 @@ def test_one_member_flattened_codebook_equals_the_shard_oracle() -> None:
     for fqn in ORDER:
         grad = setup.targets[fqn].grad
         assert grad is not None
-        period = select_period(grad, tuple(grad.shape), force_one=False)
+        # Gefen's rule: one block per row where the shape allows, else §4's search.
+        fixed = opt.template_period(opt.param_groups[0], setup.targets[fqn])
+        period = fixed or select_period(grad, tuple(grad.shape), force_one=False)
         assert period is not None
         assert opt.state[setup.targets[fqn]]["period"] == period
         counts += histogram(grad, period)
@@ -877,7 +880,8 @@ def test_two_member_flattened_shard_without_binding(offset: int, length: int) ->
         if tensor.numel() == 0:
             continue
         assert tensor.grad is not None
-        period = select_period(tensor.grad, tuple(tensor.grad.shape), force_one=False)
+        fixed = opt.template_period(opt.param_groups[0], tensor)
+        period = fixed or select_period(tensor.grad, tuple(tensor.grad.shape), force_one=False)
         assert period is not None
         counts += histogram(tensor.grad, period)
     assert torch.equal(opt.codebook, solve_codebook(counts))

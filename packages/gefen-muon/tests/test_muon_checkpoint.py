@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import SNAPSHOT_ATTRIBUTES, format1_state_dict
 from gefen.core.testing import weights_only_round_trip as _roundtrip
 from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.muon import GefenMuon
@@ -204,7 +204,11 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
     # torch's layout: params as flat indices, every entry keyed by its flat index.
     assert [group["params"] for group in sd["param_groups"]] == [[0, 1], [2]]
     assert set(sd["state"]) == {0, 1, 2}
-    assert sd["state"][2] == {"period": 0}
+    # format 2: the pristine entry is saved complete, zeros with step 0 (its live form is the
+    # placeholder), so a fresh optimizer is a DCP template
+    assert sd["state"][2]["step"] == 0
+    assert sd["state"][2]["period"] == 0
+    assert format1_state_dict(optimizer, sd)["state"][2] == {"period": 0}
     for group in sd["param_groups"]:
         assert set(group) >= HYPERPARAMETERS
         assert group["sharded_mode"] == mode
@@ -213,18 +217,19 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
     assert sd["param_groups"][1]["lr"] == 0.01
     extras = sd["gefen"]
     # One process: never a manifest, a rank-local header or a scope, whatever the mode.
-    assert set(extras) == BASE_EXTRAS
-    assert extras["format_version"] == 1
+    assert set(extras) == {*BASE_EXTRAS, "codebook_present"}
+    assert extras["format_version"] == 2
     assert extras["global_step"] == 3
     assert extras["deterministic"] is False
     assert extras["momentum_codec"] == codec
     assert extras["initialized_params"] == [0, 1]
     if codec == "codebook8":
-        assert extras["codebook"] is not None
+        assert extras["codebook_present"] == 1
         assert extras["codebook"] is not optimizer.codebook
         assert torch.equal(extras["codebook"], optimizer.codebook)
     else:
-        assert extras["codebook"] is None
+        assert extras["codebook_present"] == 0
+        assert not extras["codebook"].any()
     for group in sd["param_groups"]:
         copy_ = group["gefen"]
         assert copy_ is not extras
@@ -352,8 +357,9 @@ def test_load_by_keyword() -> None:
     target.load_state_dict(state_dict=sd)
     assert target.global_step == 3
     assert torch.equal(target.codebook, source.codebook)
+    live_forms = format1_state_dict(source, sd)["state"]
     for index, p in enumerate(params):
-        _assert_entries_equal(target.state[p], sd["state"][index], f"entry {index}")
+        _assert_entries_equal(target.state[p], live_forms[index], f"entry {index}")
 
 
 # -- structural keys and hyperparameters -------------------------------------------------------
@@ -501,7 +507,8 @@ def test_saved_hyperparameters_are_revalidated(name: str, edit: dict, fragment: 
 def _source_sd(**options: Any) -> dict[str, Any]:
     options = {"normuon": True, **options}
     source, _ = _trained(3, **options)
-    return copy.deepcopy(source.state_dict())
+    # the rules are those of format 1, the live forms (format 2 is read into it first)
+    return format1_state_dict(source, source.state_dict())
 
 
 def _target(**options: Any) -> tuple[GefenMuon, list[torch.nn.Parameter]]:
@@ -636,7 +643,7 @@ FAIL_CLOSED = [
         lambda sd: _both(sd, "global_step", True),
         "global_step must be an int >= 0, got True",
     ),
-    ("format_version", lambda sd: _both(sd, "format_version", 2), "format_version must be 1"),
+    ("format_version", lambda sd: _both(sd, "format_version", 3), "format_version must be 1"),
     (
         "rank_local in one process",
         lambda sd: _both(sd, "rank_local", {"version": 1}),
@@ -913,7 +920,7 @@ def _with_manifest(
     """A real one-process state dict plus a hand-built manifest (top level and every group copy,
     identical), and a fresh target optimizer to load it into."""
     source, _ = _trained(3, named=named, normuon=True)
-    sd = copy.deepcopy(source.state_dict())
+    sd = format1_state_dict(source, source.state_dict())
     target, params = _trained(2, seed=1, named=named, normuon=True)
     manifest = _manifest_for(sd, _names(target.param_groups))
     if edit is not None:

@@ -21,7 +21,7 @@ from gefen.contracts import (
     TopologyChange,
 )
 from gefen.contracts.conformance import check_provider, check_state_dict, match_state_variant
-from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+from gefen.core.testing import SNAPSHOT_ATTRIBUTES, format1_state_dict
 from gefen.dist.testing import assert_unchanged, deep_snapshot
 from gefen.muon import GefenMuon
 
@@ -233,7 +233,8 @@ def _expected_keys(codec: str, normuon: bool) -> set[str]:
 def test_every_live_entry_matches_exactly_one_variant(codec: str, normuon: bool, mode: str) -> None:
     optimizer, (a, b, c, d) = _trained(codec, normuon, mode)
     contract = _checked(optimizer)
-    sd = optimizer.state_dict()
+    # the variants describe the live forms: format 1 (format 2 saves a pristine entry complete)
+    sd = format1_state_dict(optimizer, optimizer.state_dict())
     assert set(sd["state"]) == {0, 1, 2, 3}
     for key, param in enumerate((a, d, b, c)):  # flat order: group, then parameter
         assert set(optimizer.state[param]) == set(sd["state"][key])
@@ -295,7 +296,7 @@ def test_each_declared_precision_trains_and_conforms(dtype: torch.dtype) -> None
 def test_pristine_optimizer_entries_are_uninitialized() -> None:
     optimizer = _optimizer(("exact", "distributed"))
     contract = _checked(optimizer)
-    sd = optimizer.state_dict()
+    sd = format1_state_dict(optimizer, optimizer.state_dict())
     for entry in sd["state"].values():
         (variant,) = match_state_variant(
             contract.state_layout, entry, parameter_layout=REPLICATED, ndim=2

@@ -23,6 +23,7 @@ from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
+from gefen.core.template import TEMPLATE_FORMAT, absorb_codebook, absorb_entry
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import parameter_label
 from gefen.dist import (
@@ -203,8 +204,14 @@ class _Loader:
         extras = copies[0]
         if not isinstance(extras, dict):
             raise self.reject("extras 'gefen' must be a dict")
-        self.check_extras(extras)
-        return extras
+        loaded: dict[str, Any] = extras
+        if self.optimizer.TEMPLATE_COMPLETE and loaded.get("format_version") == TEMPLATE_FORMAT:
+            try:
+                loaded = absorb_codebook(loaded)
+            except ValueError as error:
+                raise self.reject(str(error)) from None
+        self.check_extras(loaded)
+        return loaded
 
     def check_extras(self, extras: dict[str, Any]) -> None:
         allowed = set(BASE_EXTRAS) | set(self.optimizer.OPTIONAL_EXTRAS)
@@ -214,8 +221,11 @@ class _Loader:
         for key in BASE_EXTRAS:
             if key not in extras:
                 raise self.reject(f"extras key {key!r} is missing")
-        if type(extras["format_version"]) is not int or extras["format_version"] != FORMAT_VERSION:
-            raise self.reject(f"format_version must be {FORMAT_VERSION}")
+        version, formats = extras["format_version"], [FORMAT_VERSION]
+        if self.optimizer.TEMPLATE_COMPLETE:  # it writes format 2 and still reads format 1
+            formats.append(TEMPLATE_FORMAT)
+        if type(version) is not int or version not in formats:
+            raise self.reject(f"format_version must be {' or '.join(map(str, formats))}")
         step = extras["global_step"]
         if type(step) is not int or step < 0:
             raise self.reject(f"global_step must be an int >= 0, got {step!r}")
@@ -385,6 +395,23 @@ def _saved_entries(
     return saved
 
 
+def _absorbed(
+    loader: _Loader,
+    state: dict[Any, Any],
+    identifiers: list[list[Any]],
+    groups: list[dict[str, Any]],
+) -> dict[Any, Any]:
+    """The saved entries of a format 2 checkpoint in format 1 (gefen.core.template)."""
+    absorbed = dict(state)
+    for group_index, (ids, group) in enumerate(zip(identifiers, groups, strict=True)):
+        for slot, (ident, param) in enumerate(zip(ids, group["params"], strict=True)):
+            if ident in state:
+                label = parameter_label(group, group_index, slot)
+                where = f"{loader.owner} checkpoint: entry {label}"
+                absorbed[ident] = absorb_entry(loader.optimizer, group, param, state[ident], where)
+    return absorbed
+
+
 def _first_places(keys: list[Any]) -> list[int]:
     """For each place, the first place holding an equal key (the repetition pattern)."""
     first: dict[Any, int] = {}
@@ -435,6 +462,8 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
         loader.group(index, saved, live)
         for index, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True))
     ]
+    if extras["format_version"] == TEMPLATE_FORMAT:
+        state = _absorbed(loader, state, identifiers, staged_groups)
     saved = _saved_entries(loader, state, identifiers, extras, staged_groups)
     entries = optimizer.stage_entries(saved, staged_groups, extras)
     codebook = extras["codebook"]

@@ -12,7 +12,7 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``HookedStepState`` (the step and load templates for a composite), ``copy_containers``;
 * state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
   ``stage_entries``, ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
-* codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``;
+* codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``, ``row_period``;
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
@@ -31,7 +31,7 @@ from gefen.core import fused as _fused
 from gefen.core.checkpoint import PreparedLoad
 from gefen.core.contract import api_flags, extras_field, finalized_training, parameter_field
 from gefen.core.finalization import PreparedFinalization
-from gefen.core.kernels import select_period
+from gefen.core.kernels import row_period, select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.loading import stage_entries
 from gefen.core.options import (
@@ -96,6 +96,7 @@ __all__ = [
     "parameter_field",
     "parameter_label",
     "resolve_default",
+    "row_period",
     "run_load",
     "run_step",
     "select_period",

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gefen.contracts import OptimizerContract
 from gefen.core.fused import has_fused_implementation
-from gefen.core.kernels import select_period
+from gefen.core.kernels import row_period, select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import (
     GEFEN_OPTIMIZER_WIDE,
@@ -119,6 +119,7 @@ class Gefen(OptimizerShell):
     OWNER_NAME: ClassVar[str] = "Gefen"
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = GEFEN_OPTIMIZER_WIDE
     CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
+    TEMPLATE_COMPLETE: ClassVar[bool] = True
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")
 
     def __init__(
@@ -202,13 +203,24 @@ class Gefen(OptimizerShell):
                 inputs.append((index, grad, tuple(grad.shape)))
         return inputs
 
+    def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
+        """The period from the shape (docs/core.md §4.1): 1 where forced or for one element; one
+        block per row where a tensor of two or more dimensions has rows of at least 8 elements
+        (so blocks never cross a row-shard boundary); None for the rest, which §4 searches."""
+        local = local_tensor(param)
+        numel = local.numel()
+        if numel == 0:
+            return None
+        forced = (param.dim() == 1 and bool(group["force_1d_period_one"])) or (
+            param.dim() == 2 and bool(group["force_2d_period_one"])
+        )
+        return 1 if forced or numel == 1 else row_period(tuple(local.shape))
+
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
-        force_one = (param.dim() == 1 and bool(group["force_1d_period_one"])) or (
-            param.dim() == 2 and bool(group["force_2d_period_one"])
-        )
-        return select_period(view, shape, force_one=force_one)
+        fixed = self.template_period(group, param)
+        return fixed if fixed is not None else select_period(view, shape, force_one=False)
 
     # -- kernels (§11) ----------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class ShellInterface(Protocol):
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]]
     CODEC_KEYS: ClassVar[CodecKeys]
     POST_SHARDING_LAYOUTS: ClassVar[tuple[Any, ...]]
+    TEMPLATE_COMPLETE: ClassVar[bool]
     state: defaultdict[Tensor, Any]
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
@@ -57,6 +58,8 @@ class ShellInterface(Protocol):
 
     def validate_group(self, group: Mapping[str, Any]) -> None: ...
     def entry_spec(self, group: Mapping[str, Any], param: Tensor) -> EntrySpec: ...
+    def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None: ...
+    def template_keys(self, group: Mapping[str, Any], param: Tensor) -> tuple[str, ...]: ...
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None: ...

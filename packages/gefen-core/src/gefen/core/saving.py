@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import Tensor
 
 from gefen.core.state import is_initialized
+from gefen.core.template import TEMPLATE_FORMAT, present_codebook, present_entry
 from gefen.dist import rank_local_header
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
         "momentum_codec": optimizer.defaults["momentum_codec"],
         "initialized_params": initialized,
     }
+    if optimizer.TEMPLATE_COMPLETE:
+        extras.update(format_version=TEMPLATE_FORMAT, **present_codebook(codebook))
     scope = scope_extras(optimizer)
     if scope is not None:
         extras["scope"] = scope
@@ -87,6 +90,9 @@ def build_state_dict(
     indices = torch_indices(optimizer.param_groups)
     flat = [index for group in indices for index in group]
     state: dict[Any, Any] = {flat[position]: entry for position, entry in entries.items()}
+    if optimizer.TEMPLATE_COMPLETE:  # format 2: every entry complete (gefen.core.template)
+        for position, group, param in optimizer.indexed_params():
+            state[flat[position]] = present_entry(optimizer, group, param, entries[position])
     # torch types the state by Tensor keys; user code may add others (torch keeps them too).
     everything = cast(Mapping[object, Any], optimizer.state)
     for key, value in everything.items():

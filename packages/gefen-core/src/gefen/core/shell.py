@@ -1,11 +1,9 @@
 """The shared optimizer shell of ``Gefen`` and ``GefenMuon`` (docs/core.md §1.1, §2.3, §7).
 
-``OptimizerShell`` owns the parameter groups and names, the ``{"period": 0}`` placeholder, the
-step template (local preflight, one vote, AMP agreement, preparation, commit), codebook
-learning and refresh, the step hooks, the failed-commit latch and the checkpoint transaction
-(``gefen.core.checkpoint``). A subclass supplies the extension points listed in §1.1; a
-composite drives the public members ``step_failure_scope``, ``validate_step_inputs``,
-``check_step_agreement``, ``step_header_payload`` and ``apply_prepared_step``.
+``OptimizerShell`` owns the groups and names, the ``{"period": 0}`` placeholder, the step template
+(preflight, vote, AMP agreement, preparation, commit), codebook learning and refresh, the hooks,
+the failed-commit latch and the checkpoint transaction. A subclass supplies the extension points
+of §1.1; a composite drives the public step members (``step_failure_scope`` and the rest).
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from gefen.core.scoped import scope_header_payload
 from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.state import CodecKeys, EntrySpec, entries_nbytes
 from gefen.core.steady import SteadyToken, plain_parameters, same_token, step_token
+from gefen.core.template import TemplateLayout
 from gefen.core.transaction import (
     STEP_SIGNATURE,
     HookedStepState,
@@ -62,7 +61,7 @@ __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 _LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
 
 
-class OptimizerShell(HookedStepState, Optimizer):
+class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (docs/core.md §1.1)."""
 
     OWNER_NAME: ClassVar[str] = "OptimizerShell"
@@ -110,12 +109,9 @@ class OptimizerShell(HookedStepState, Optimizer):
         """Option checks of one group (§2.2); raise on the first failing rule."""
 
     def _check_local_inputs(self) -> None:
-        """Further rank-local step checks; the default is the state match of §7.2:
-        initialized (or period-selected) state must still fit its parameter.
-
-        An entry is checked when it or its parameter changed since it last matched (new entry
-        objects after a load, a replaced tensor, a swapped ``p.data``, a changed group), not on
-        every step: the commit writes entries in place, so a matched entry stays matched."""
+        """Further rank-local step checks; the default is §7.2's state match, for each entry
+        that or whose parameter changed since it last matched (the commit writes entries in
+        place, so a matched entry stays matched)."""
         previous = self.__dict__.get("_matched_entries", {})
         self._matched_entries = match_changed_entries(self, previous)
 

@@ -10,7 +10,8 @@ default-world DTensor layouts, a one-member ``CodebookProcessGroupBinding``, a w
 ``torch.save``/``torch.load`` round trip, ``takes_a_step`` (one more step moves every parameter)
 and ``rejects`` (an action fails with a given error and changes nothing). For the multi-rank
 scenarios: ``attempt`` (a must-fail operation, timed, described as plain data), ``local_shard``,
-``same_or_none``, ``finalized_snapshot``/``snapshot_changes`` and ``oracle_codebook``. The
+``same_or_none``, ``finalized_snapshot``/``snapshot_changes`` and ``oracle_codebook``.
+``format1_state_dict`` rewrites a format 2 checkpoint in format 1 (what older releases wrote). The
 module imports neither pytest nor ``torch.distributed`` at import time.
 """
 
@@ -50,6 +51,7 @@ __all__ = [
     "finalized_snapshot",
     "flattened_shard",
     "forbid_collectives",
+    "format1_state_dict",
     "live_params",
     "local_shard",
     "oracle_codebook",
@@ -285,13 +287,15 @@ def snapshot_changes(
 
 
 def oracle_codebook(pieces: Sequence[Tensor]) -> list[float]:
-    """The one-process codebook of ``pieces``: each piece's own automatic period, the summed
-    histogram, the solve (what a scope's collective learning must reproduce)."""
-    from gefen.core.kernels import BIN_COUNT, histogram, select_period, solve_codebook
+    """The one-process codebook of ``pieces``: each piece's own automatic period (one block per
+    row where its shape allows, docs/core.md §4.1, else §4's search), the summed histogram, the
+    solve (what a scope's collective learning must reproduce)."""
+    from gefen.core.kernels import BIN_COUNT, histogram, row_period, select_period, solve_codebook
 
     counts = torch.zeros(BIN_COUNT, dtype=torch.int64)
     for piece in pieces:
-        period = select_period(piece, tuple(piece.shape), force_one=False)
+        shape = tuple(piece.shape)
+        period = row_period(shape) or select_period(piece, shape, force_one=False)
         assert period is not None
         counts += histogram(piece, period)
     codebook: list[float] = solve_codebook(counts).tolist()
@@ -323,3 +327,23 @@ def forbid_collectives(monkeypatch: Any, caller: str, names: Sequence[str] = COL
                 raise AssertionError(f"{caller} called torch.distributed.{_name}")
 
             monkeypatch.setattr(dist, name, forbidden)
+
+
+def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``optimizer``'s format 2 ``state_dict`` ``sd`` in format 1: the codebook
+    slot as the codebook or None, and every entry in its live form (docs/core.md §8.7)."""
+    import copy
+
+    from gefen.core.saving import EXTRAS_KEY, FORMAT_VERSION, torch_indices
+    from gefen.core.template import absorb_codebook, absorb_entry
+
+    old = copy.deepcopy(sd)
+    for holder in (old, *old["param_groups"]):
+        if EXTRAS_KEY in holder:
+            holder[EXTRAS_KEY] = absorb_codebook(holder[EXTRAS_KEY])
+            holder[EXTRAS_KEY]["format_version"] = FORMAT_VERSION
+    indices = torch_indices(optimizer.param_groups)
+    for group, group_indices in zip(optimizer.param_groups, indices, strict=True):
+        for index, param in zip(group_indices, group["params"], strict=True):
+            old["state"][index] = absorb_entry(optimizer, group, param, old["state"][index], "")
+    return old

@@ -31,6 +31,7 @@ from gefen.dist.torch_internals import (
     run_load_post_hooks,
 )
 from gefen.hybrid.adamw_preflight import check_adamw_options, check_capturable
+from gefen.hybrid.adamw_template import drop_unstarted_entries
 
 __all__ = ["RANK_LOCAL_KEY", "PreparedAdamWLoad", "adamw_rank_local_header", "prepare_adamw_load"]
 
@@ -240,6 +241,7 @@ def prepare_adamw_load(backup: torch.optim.Optimizer, sd: Any) -> PreparedAdamWL
     copied = copy_with_load_pre_hooks(backup, copy_containers(sd))
     _fill_missing_options(backup, copied)
     _validate(backup, copied)
+    drop_unstarted_entries(copied)
     rank_local = _rank_local(backup, copied)
     shadow = _shadow(backup)
     torch.optim.Optimizer.load_state_dict(shadow, copied)

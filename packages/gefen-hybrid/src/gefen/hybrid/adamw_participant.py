@@ -27,6 +27,7 @@ from gefen.hybrid.adamw_backup import (
     prepare_adamw_load,
 )
 from gefen.hybrid.adamw_preflight import check_adamw_amp_precision, check_adamw_backup
+from gefen.hybrid.adamw_template import with_unstarted_entries
 
 __all__ = ["AdamWParticipant", "ChildParticipant", "PreparedChildLoad"]
 
@@ -90,8 +91,9 @@ class AdamWParticipant:
         self.backup.step()
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, plus this rank's header when the backup is sharded."""
-        saved = self.backup.state_dict()
+        """torch's state dict with an entry for every parameter (a DCP template,
+        ``adamw_template``), plus this rank's header when the backup is sharded."""
+        saved = with_unstarted_entries(self.backup, self.backup.state_dict())
         header = adamw_rank_local_header(self.backup)
         if header is not None:
             saved[RANK_LOCAL_KEY] = header

@@ -28,6 +28,7 @@ from gefen.core.extension import (
     group_uses_codebook,
     is_initialized,
     local_tensor,
+    row_period,
     run_step,
     select_period,
 )
@@ -97,6 +98,7 @@ class GefenMuon(OptimizerShell):
     OWNER_NAME: ClassVar[str] = "GefenMuon"
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = MUON_OPTIMIZER_WIDE
     CODEC_KEYS: ClassVar[CodecKeys] = _MUON_CODEC_KEYS
+    TEMPLATE_COMPLETE: ClassVar[bool] = True
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "muon_distributed", "rank_local")
     REQUIRE_2D: ClassVar[bool] = True
     POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
@@ -196,12 +198,22 @@ class GefenMuon(OptimizerShell):
             recorded_ints={"matrix_cols": cols},
         )
 
+    def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
+        """1 for codec "none" (the matrix as is); else one block per row of the momentum
+        matrix where rows hold at least 8 elements (docs/core.md §4.1), else None (searched)."""
+        if not group_uses_codebook(group):
+            return 1
+        return row_period(quantized_shape(group, param))
+
+    def template_keys(self, group: Mapping[str, Any], param: Tensor) -> tuple[str, ...]:
+        """A NorMuon group's entries create the NorMuon pair at their first update."""
+        return ("normuon_v", "normuon_step") if group["normuon"] else ()
+
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
-        if not group_uses_codebook(group):
-            return 1  # codec "none" stores the matrix as is; no selection runs
-        return select_period(view, shape, force_one=False)
+        fixed = self.template_period(group, param)
+        return fixed if fixed is not None else select_period(view, shape, force_one=False)
 
     def _learning_view(self, group: Mapping[str, Any], param: Tensor) -> Tensor | None:
         """The gradient a period and the codebook are learned from (§5); None: nothing."""

@@ -12,6 +12,7 @@ from gefen.core.kernels.period import (
     decide_period,
     fallback,
     period_errors,
+    row_period,
     select_period,
 )
 from gefen.core.kernels.quantize import (
@@ -53,6 +54,7 @@ __all__ = [
     "nearest_index",
     "pad_codebook",
     "period_errors",
+    "row_period",
     "select_period",
     "solve_codebook",
     "solve_optimal",

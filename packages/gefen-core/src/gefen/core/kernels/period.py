@@ -21,6 +21,7 @@ __all__ = [
     "decide_period",
     "fallback",
     "period_errors",
+    "row_period",
     "select_period",
 ]
 
@@ -97,6 +98,15 @@ def fallback(n: int, shape: Sequence[int]) -> int:
     if candidates:
         return max(candidates)
     return next(d for d in divisors if d >= MIN_SEARCHED_PERIOD)
+
+
+def row_period(shape: Sequence[int]) -> int | None:
+    """One block per leading-index slice (docs/core.md §4.1): ``prod(shape[1:])`` for a tensor of
+    two or more dimensions whose slices hold at least 8 elements, else None (§4 searches)."""
+    if len(shape) < 2 or math.prod(shape) == 0:
+        return None
+    row = math.prod(shape[1:])
+    return row if row >= MIN_SEARCHED_PERIOD else None
 
 
 def period_errors(squares: Tensor, divisors: Sequence[int]) -> list[tuple[int, float]]:

@@ -1,0 +1,190 @@
+"""Checkpoint format 2, the layout a fresh optimizer can be loaded into (docs/core.md §8.7).
+
+DCP loads a file by filling the tensors of a template, ``get_optimizer_state_dict`` of the live
+optimizer, and refuses any tensor whose saved shape differs from the template's. A freshly built
+optimizer has no state yet, so format 2 writes every parameter's entry complete whatever its
+progress: a pristine entry is all zeros with ``step`` 0, and the codebook is a fixed slot of 256
+values with a presence flag. The tensor shapes then depend only on the parameter and its group:
+
+- a parameter whose period its shape fixes (``template_period``) keeps its (B, P) grid;
+- a parameter whose first gradient searches the period stores its codes (and dense momentum) as
+  (N, 1) and each per-block tensor in an (N, 1) slot, the B blocks first and zeros after.
+
+``present_*`` turn the live (format 1) forms into these; ``absorb_*`` turn a loaded format 2 dict
+back into format 1 before the one entry validator runs, rejecting what does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from gefen.core.options import group_uses_codebook
+from gefen.core.state import CODEBOOK_SIZE, EntrySpec, allocate_entry, is_initialized
+from gefen.core.validation import local_tensor
+
+if TYPE_CHECKING:
+    from gefen.core.participant import ShellInterface
+
+__all__ = [
+    "PRESENCE_KEY",
+    "TEMPLATE_FORMAT",
+    "TemplateLayout",
+    "absorb_codebook",
+    "absorb_entry",
+    "present_codebook",
+    "present_entry",
+]
+
+TEMPLATE_FORMAT = 2
+PRESENCE_KEY = "codebook_present"
+
+
+class TemplateLayout:
+    """What format 2 asks of an optimizer; ``OptimizerShell`` mixes it in (defaults: format 1)."""
+
+    TEMPLATE_COMPLETE: ClassVar[bool] = False
+    """Whether ``state_dict()`` writes format 2."""
+
+    def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
+        """The period the shape fixes, or None where the first gradient searches it."""
+        return None
+
+    def template_keys(self, group: Mapping[str, Any], param: Tensor) -> tuple[str, ...]:
+        """Optional keys (``EntrySpec.extra_pairs``) a not yet updated entry offers as zeros."""
+        return ()
+
+
+def present_codebook(codebook: Tensor | None) -> dict[str, Any]:
+    """The codebook's extras keys: a copy in a 256-value slot, and whether it is learned."""
+    if codebook is None:
+        return {"codebook": torch.zeros(CODEBOOK_SIZE, dtype=torch.float32), PRESENCE_KEY: 0}
+    return {"codebook": codebook.detach().clone(), PRESENCE_KEY: 1}
+
+
+def absorb_codebook(extras: Mapping[str, Any]) -> dict[str, Any]:
+    """Format 2 extras as format 1: the slot becomes the codebook or None (an absent codebook's
+    slot must be untouched zeros, so a damaged flag cannot hide a codebook)."""
+    absorbed = {key: value for key, value in extras.items() if key != PRESENCE_KEY}
+    present, slot = extras.get(PRESENCE_KEY), extras.get("codebook")
+    if type(present) is not int or present not in (0, 1):
+        raise ValueError(f"'{PRESENCE_KEY}' must be the int 0 or 1, got {present!r}")
+    if present == 0:
+        if not isinstance(slot, Tensor) or slot.numel() != CODEBOOK_SIZE or bool(slot.any()):
+            raise ValueError(f"'{PRESENCE_KEY}' is 0 but the codebook slot is not 256 zeros")
+        absorbed["codebook"] = None
+    return absorbed
+
+
+def _grid_keys(spec: EntrySpec) -> tuple[str, ...]:
+    """Tensors shaped like the (B, P) grid (Gefen's dense momentum is; GefenMuon's is not)."""
+    keys = (spec.codec_keys.codes,)
+    return keys + ((spec.codec_keys.dense,) if spec.dense_shape is None else ())
+
+
+def _block_keys(spec: EntrySpec) -> tuple[str, ...]:
+    """Tensors with one row per block."""
+    return (spec.codec_keys.scale, "v_block")
+
+
+def present_entry(
+    optimizer: ShellInterface, group: Mapping[str, Any], param: Tensor, entry: Mapping[str, Any]
+) -> dict[str, Any]:
+    """One live entry in format 2: complete, in shapes its parameter alone determines."""
+    spec = optimizer.entry_spec(group, param)
+    fixed = optimizer.template_period(group, param)
+    if is_initialized(entry):
+        full = dict(entry)
+    else:
+        period = int(entry.get("period", 0))
+        grid = period or fixed or 1
+        full = allocate_entry(
+            spec, grid, codebook8=group_uses_codebook(group), device=local_tensor(param).device
+        )
+        full["period"] = period
+        for key in optimizer.template_keys(group, param):  # zeros, dropped again at load
+            shape, dtype = spec.extra_pairs[key]
+            zeros = torch.zeros(shape, dtype=dtype, device=local_tensor(param).device)
+            full[key] = zeros if dtype.is_floating_point else 0
+    if fixed is not None:
+        return full
+    for key in _grid_keys(spec):
+        if key in full:
+            full[key] = full[key].reshape(spec.numel, 1)
+    for key in _block_keys(spec):
+        if key in full:
+            rows = full[key]
+            slot = rows.new_zeros(spec.numel, 1)
+            slot[: rows.shape[0]] = rows
+            full[key] = slot
+    return full
+
+
+def _readable(value: Tensor, key: str, where: str) -> Tensor:
+    """The local values, once it is known they can be read (a meta or sparse tensor cannot)."""
+    local = local_tensor(value)
+    if local.layout != torch.strided or local.is_meta:
+        raise ValueError(f"{where}: '{key}' must be a dense strided tensor holding data")
+    return local
+
+
+def _is_zero(value: Any, key: str, where: str) -> bool:
+    if isinstance(value, Tensor):
+        return not bool(_readable(value, key, where).any())
+    return type(value) is int and value == 0
+
+
+def _reject_unless_zero(entry: Mapping[str, Any], spec: EntrySpec, where: str) -> None:
+    for key, value in entry.items():
+        # the period and the recorded ints (GefenMuon's matrix_cols) describe, they do not count
+        if key not in ("period", "step", *spec.recorded_ints) and not _is_zero(value, key, where):
+            raise ValueError(f"{where}: a step-0 entry must hold zeros, '{key}' does not")
+
+
+def _slot(entry: Mapping[str, Any], key: str, numel: int, where: str) -> Tensor:
+    value = entry[key]
+    if not isinstance(value, Tensor) or tuple(value.shape) != (numel, 1):
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"{where}: '{key}' must be the ({numel}, 1) slot of a searched period, got {shape}"
+        )
+    _readable(value, key, where)
+    return value
+
+
+def absorb_entry(
+    optimizer: ShellInterface,
+    group: Mapping[str, Any],
+    param: Tensor,
+    entry: Any,
+    where: str,
+) -> Any:
+    """A saved format 2 entry in format 1 (the validator then checks it): step 0 is the pristine
+    entry with its period; a searched-period entry leaves its slots. Anything that is not a
+    format 2 entry is returned unchanged for the validator to name."""
+    if not isinstance(entry, Mapping) or "step" not in entry:
+        return entry
+    spec = optimizer.entry_spec(group, param)
+    if type(entry["step"]) is int and entry["step"] == 0:
+        _reject_unless_zero(entry, spec, where)
+        return {"period": entry.get("period")}
+    absorbed = dict(entry)
+    period = entry.get("period")
+    if optimizer.template_period(group, param) is not None or type(period) is not int:
+        return absorbed
+    if period <= 0 or spec.numel % period != 0:
+        return absorbed  # the validator names the period
+    for key in _grid_keys(spec):
+        if key in entry:
+            absorbed[key] = _slot(entry, key, spec.numel, where).reshape(-1, period)
+    blocks = spec.numel // period
+    for key in _block_keys(spec):
+        if key in entry:
+            slot = _slot(entry, key, spec.numel, where)
+            if bool(_readable(slot, key, where)[blocks:].any()):
+                raise ValueError(f"{where}: '{key}' holds values past its {blocks} blocks")
+            absorbed[key] = slot[:blocks]
+    return absorbed

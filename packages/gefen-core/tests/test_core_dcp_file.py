@@ -1,0 +1,210 @@
+"""DCP file checkpoints into a freshly built Gefen, in one process (docs/core.md §8.7).
+
+torchtitan's resume: ``sd = get_optimizer_state_dict(model, fresh)``, ``dcp.load({"optim": sd})``,
+``set_optimizer_state_dict(model, fresh, sd)``. DCP fills the template's tensors in place and
+refuses a tensor whose saved shape differs, so format 2 must give a fresh optimizer every slot a
+trained one saves, and the load must reject a damaged format 2 entry with nothing changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from gefen.core import Gefen
+
+OPTIONS = [
+    {},
+    {"momentum_codec": "none"},
+    {"factored_v_2d": False},
+    {"stochastic_round": True},
+    {"force_1d_period_one": True},
+]
+
+
+class _Net(torch.nn.Module):
+    """Matrices (one block per row), vectors (searched periods), a 3-D tensor, and a parameter
+    that never gets a gradient (its entry stays pristine)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.last = torch.nn.Linear(16, 4)
+        self.cube = torch.nn.Parameter(torch.randn(2, 4, 4))
+        self.unused = torch.nn.Parameter(torch.randn(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.norm(torch.tanh(self.first(x)))
+        return self.last(mixed) + (self.cube.sum(0) @ mixed[:, :4].T).T.sum()
+
+
+def _index(name: str) -> int:
+    """The state_dict index of a parameter of ``_Net`` (its position in ``parameters()``)."""
+    return [key for key, _ in _Net(seed=0).named_parameters()].index(name)
+
+
+def _train(model: torch.nn.Module, optimizer: Gefen, seeds: range) -> None:
+    for seed in seeds:
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+def _fresh(options: dict[str, Any], trained: torch.nn.Module) -> tuple[_Net, Gefen]:
+    model = _Net(seed=99)
+    model.load_state_dict(trained.state_dict())
+    return model, Gefen(model.parameters(), lr=0.01, **options)
+
+
+def _save(model: torch.nn.Module, optimizer: Gefen, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own warnings about one-process use
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+
+
+def _load(model: torch.nn.Module, optimizer: Gefen, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        template = get_optimizer_state_dict(model, optimizer)
+        dcp.load({"optim": template}, checkpoint_id=str(path))
+        set_optimizer_state_dict(model, optimizer, template)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=[str(o) for o in OPTIONS])
+def test_a_fresh_optimizer_resumes_a_dcp_file_bit_exactly(
+    options: dict[str, Any], tmp_path: Path
+) -> None:
+    model = _Net(seed=0)
+    optimizer = Gefen(model.parameters(), lr=0.01, **options)
+    _train(model, optimizer, range(3))
+    _save(model, optimizer, tmp_path)
+    resumed_model, resumed = _fresh(options, model)
+    _load(resumed_model, resumed, tmp_path)
+    assert resumed.global_step == 3
+    for ours, theirs in zip(optimizer.state.values(), resumed.state.values(), strict=True):
+        assert ours.keys() == theirs.keys()
+        for key, value in ours.items():
+            other = theirs[key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    assert resumed.state[resumed_model.unused] == {"period": 0}
+    _train(model, optimizer, range(3, 6))
+    _train(resumed_model, resumed, range(3, 6))
+    for ours, theirs in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_fresh_template_has_every_slot_a_trained_optimizer_saves() -> None:
+    trained_model = _Net(seed=0)
+    trained = Gefen(trained_model.parameters(), lr=0.01)
+    _train(trained_model, trained, range(2))
+    _model, fresh = _fresh({}, trained_model)
+    saved, template = trained.state_dict(), fresh.state_dict()
+    assert template["gefen"]["codebook_present"] == 0
+    assert tuple(template["gefen"]["codebook"].shape) == (256,)
+    for index, entry in saved["state"].items():
+        slots = template["state"][index]
+        assert entry.keys() == slots.keys(), index
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert (value.shape, value.dtype) == (slots[key].shape, slots[key].dtype), key
+    # building the template learned nothing and changed nothing
+    assert fresh.global_step == 0
+    assert fresh.codebook is None
+    assert all(entry == {"period": 0} for entry in fresh.state.values())
+
+
+def test_matrices_take_one_block_per_row_and_vectors_are_searched() -> None:
+    model = _Net(seed=0)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, range(1))
+    periods = {name: optimizer.state[p]["period"] for name, p in model.named_parameters()}
+    assert periods["first.weight"] == 8
+    assert periods["last.weight"] == 16
+    assert periods["cube"] == 16  # a (2, 4, 4) tensor: rows of 16 elements
+    assert periods["unused"] == 0
+    group = optimizer.param_groups[0]
+    assert optimizer.template_period(group, model.first.bias) is None  # searched
+    assert optimizer.template_period(group, torch.nn.Parameter(torch.zeros(300, 4))) is None
+    saved = optimizer.state_dict()["state"]
+    bias = saved[_index("first.bias")]  # 16 elements: codes and per-block tensors in (16, 1) slots
+    assert bias["period"] == optimizer.state[model.first.bias]["period"]
+    assert tuple(bias["momentum_codes"].shape) == tuple(bias["momentum_scale"].shape) == (16, 1)
+
+
+def _trained_sd() -> tuple[dict[str, Any], Gefen]:
+    model = _Net(seed=0)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, range(3))
+    return optimizer.state_dict(), optimizer
+
+
+def _both(sd: dict[str, Any], key: str, value: Any) -> None:
+    for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
+        extras[key] = copy.deepcopy(value)
+
+
+def _past_blocks(sd: dict[str, Any]) -> None:
+    sd["state"][_index("first.bias")]["momentum_scale"][-1] = 1.0  # a searched period above 1
+
+
+def _pristine_not_zero(sd: dict[str, Any]) -> None:
+    sd["state"][_index("unused")]["momentum_codes"][0] = 3  # never stepped: step 0
+
+
+def _slot_shape(sd: dict[str, Any]) -> None:
+    sd["state"][_index("first.bias")]["v_block"] = torch.zeros(4, 1)
+
+
+FORMAT2_REJECTIONS = [
+    ("presence not int", lambda sd: _both(sd, "codebook_present", True), "'codebook_present'"),
+    ("presence missing", lambda sd: _both(sd, "codebook_present", None), "'codebook_present'"),
+    ("absent but filled", lambda sd: _both(sd, "codebook_present", 0), "not 256 zeros"),
+    ("present but zeros", lambda sd: _both(sd, "codebook", torch.zeros(256)), "invalid codebook"),
+    ("past its blocks", _past_blocks, "holds values past its"),
+    ("pristine not zero", _pristine_not_zero, "a step-0 entry must hold zeros"),
+    ("slot shape", _slot_shape, "must be the (16, 1) slot of a searched period"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "mutator", "fragment"), FORMAT2_REJECTIONS, ids=[r[0] for r in FORMAT2_REJECTIONS]
+)
+def test_a_damaged_format2_checkpoint_is_rejected_without_change(
+    name: str, mutator: Any, fragment: str, rejects: Any
+) -> None:
+    sd, _ = _trained_sd()
+    sd = copy.deepcopy(sd)
+    assert sd["gefen"]["format_version"] == 2
+    mutator(sd)
+    model = _Net(seed=1)
+    target = Gefen(model.parameters(), lr=0.01)
+    _train(model, target, range(2))
+    rejects(target, lambda: target.load_state_dict(sd), ValueError, fragment)
+
+
+def test_a_format1_checkpoint_still_loads() -> None:
+    from gefen.core.testing import format1_state_dict
+
+    sd, source = _trained_sd()
+    old = format1_state_dict(source, sd)
+    assert old["gefen"]["format_version"] == 1
+    assert "codebook_present" not in old["gefen"]
+    assert old["state"][_index("unused")] == {"period": 0}
+    model = _Net(seed=1)
+    target = Gefen(model.parameters(), lr=0.01)
+    target.load_state_dict(old)
+    assert target.global_step == 3
+    assert torch.equal(target.codebook, source.codebook)

@@ -1,0 +1,97 @@
+"""A DCP file into a freshly built GefenMuonHybrid and GefenMuon, in one process (docs/core.md
+§8.7, docs/hybrid.md §8): torchtitan's resume, ``get_optimizer_state_dict`` of the fresh
+optimizer as DCP's template, ``dcp.load``, ``set_optimizer_state_dict``; then the run continues
+bit for bit as if it had never stopped."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from gefen.hybrid import GefenMuonHybrid
+from gefen.hybrid.testing import TinyLM, assert_same_hybrid, hybrid_snapshot
+from gefen.muon import GefenMuon
+
+CASES = [
+    ("gefen", {}),
+    ("adamw", {}),
+    ("gefen", {"normuon": True}),
+    ("gefen", {"momentum_codec": "none"}),
+]
+
+
+def _hybrid(backend: str, options: dict[str, Any]) -> tuple[TinyLM, GefenMuonHybrid]:
+    torch.manual_seed(0)
+    model = TinyLM()
+    kwargs: dict[str, Any] = {"lr": 1e-2, "ns_steps": 1, "fused": False, **options}
+    return model, GefenMuonHybrid(model, backup_optimizer=backend, **kwargs)
+
+
+def _train(model: torch.nn.Module, optimizer: Any, seeds: range) -> None:
+    for seed in seeds:
+        for index, param in enumerate(model.parameters()):
+            generator = torch.Generator().manual_seed(1000 * seed + index)
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+
+
+def _round_trip(model: torch.nn.Module, optimizer: Any, twin: Any, twin_model: Any, path: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own one-process warnings
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+        template = get_optimizer_state_dict(twin_model, twin)
+        dcp.load({"optim": template}, checkpoint_id=str(path))
+        set_optimizer_state_dict(twin_model, twin, template)
+
+
+def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("backend", "options"), CASES, ids=[f"{b}-{o}" for b, o in CASES])
+def test_a_fresh_hybrid_resumes_a_dcp_file_bit_exactly(
+    backend: str, options: dict[str, Any], tmp_path: Path
+) -> None:
+    model, hybrid = _hybrid(backend, options)
+    _train(model, hybrid, range(3))
+    twin_model, twin = _hybrid(backend, options)
+    twin_model.load_state_dict(model.state_dict())
+    fresh = hybrid_snapshot(twin)
+    template = get_optimizer_state_dict(twin_model, twin)
+    assert_same_hybrid(fresh, hybrid_snapshot(twin))  # offering the template changed nothing
+    assert template["param_groups"]
+    _round_trip(model, hybrid, twin, twin_model, tmp_path)
+    _train(model, hybrid, range(3, 6))
+    _train(twin_model, twin, range(3, 6))
+    assert _same_params(model, twin_model)
+
+
+@pytest.mark.parametrize("options", [{}, {"normuon": True}, {"momentum_codec": "none"}])
+def test_a_fresh_gefen_muon_resumes_a_dcp_file_bit_exactly(
+    options: dict[str, Any], tmp_path: Path
+) -> None:
+    def build() -> tuple[torch.nn.Module, GefenMuon]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 4))
+        matrices = [model[0].weight, model[1].weight]
+        return model, GefenMuon(matrices, lr=0.02, ns_steps=1, fused=False, **options)
+
+    model, optimizer = build()
+    _train(model, optimizer, range(3))
+    twin_model, twin = build()
+    twin_model.load_state_dict(model.state_dict())
+    assert twin.codebook is None
+    _round_trip(model, optimizer, twin, twin_model, tmp_path)
+    assert twin.global_step == 3
+    _train(model, optimizer, range(3, 6))
+    _train(twin_model, twin, range(3, 6))
+    assert _same_params(model, twin_model)
