@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -208,3 +209,37 @@ def test_a_format1_checkpoint_still_loads() -> None:
     target.load_state_dict(old)
     assert target.global_step == 3
     assert torch.equal(target.codebook, source.codebook)
+
+
+MISFITS = [
+    ({"momentum_codec": "none"}, "another codec"),
+    ({"factored_v_2d": False}, "another second-moment family"),
+    ({"force_2d_period_one": True}, "another period for the matrices"),
+]
+
+
+@pytest.mark.parametrize(("live", "what"), MISFITS, ids=[m[1] for m in MISFITS])
+def test_a_dcp_file_that_does_not_fit_is_refused_with_nothing_changed(
+    live: dict[str, Any], what: str, tmp_path: Path
+) -> None:
+    """DCP's planner refuses the file before our load runs (a key the template needs is missing,
+    or a shape differs); the live optimizer, trained or fresh, is untouched and still trains."""
+    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+    from gefen.dist.testing import assert_unchanged, deep_snapshot
+
+    model = _Net(seed=0)
+    source = Gefen(model.parameters(), lr=0.01)
+    _train(model, source, range(2))
+    _save(model, source, tmp_path)
+    for steps in (0, 2):
+        target_model, target = _fresh(live, model)
+        _train(target_model, target, range(10, 10 + steps))
+        before = deep_snapshot(target, attributes=SNAPSHOT_ATTRIBUTES)
+        with pytest.raises(CheckpointException) as refused:
+            _load(target_model, target, tmp_path)
+        causes = " ".join(str(failure[0]) for failure in refused.value.failures.values())
+        assert "Missing key" in causes or "Size mismatch" in causes, causes
+        assert_unchanged(before, deep_snapshot(target, attributes=SNAPSHOT_ATTRIBUTES))
+        step = target.global_step
+        _train(target_model, target, range(20, 21))
+        assert target.global_step == step + 1

@@ -23,7 +23,7 @@ from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
-from gefen.core.template import TEMPLATE_FORMAT, absorb_codebook, absorb_entry
+from gefen.core.template import TEMPLATE_FORMAT, absorb_codebook, absorb_state
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import parameter_label
 from gefen.dist import (
@@ -199,7 +199,7 @@ class _Loader:
             copies.insert(0, self.sd[EXTRAS_KEY])
         if not copies:
             raise self.reject("extras 'gefen' missing (neither top-level nor in the groups)")
-        if any(not _equal(copies[0], other) for other in copies[1:]):
+        if any(not _equal(self.comparable(copies[0]), other) for other in copies[1:]):
             raise self.reject("extras copies differ between the top level and the groups")
         extras = copies[0]
         if not isinstance(extras, dict):
@@ -212,6 +212,13 @@ class _Loader:
                 raise self.reject(str(error)) from None
         self.check_extras(loaded)
         return loaded
+
+    def comparable(self, first: Any) -> Any:
+        """The first extras copy as the group copies must equal it: a row-sharded save keeps
+        its rank-local header at the top level only (§9.1)."""
+        if self.optimizer.row_sharded() and isinstance(first, dict) and EXTRAS_KEY in self.sd:
+            return {key: value for key, value in first.items() if key != "rank_local"}
+        return first
 
     def check_extras(self, extras: dict[str, Any]) -> None:
         allowed = set(BASE_EXTRAS) | set(self.optimizer.OPTIONAL_EXTRAS)
@@ -271,6 +278,8 @@ class _Loader:
         if "rank_local" not in extras and not self.optimizer.rank_local_checkpoint():
             return
         if "rank_local" not in extras:
+            if self.optimizer.row_sharded():
+                return  # a DCP file of row-sharded state: any rank, any world size (§9.1)
             raise self.reject("rank-local checkpoint topology differs: 'rank_local' is missing")
         try:
             check_rank_local_header(extras["rank_local"], scope)
@@ -395,23 +404,6 @@ def _saved_entries(
     return saved
 
 
-def _absorbed(
-    loader: _Loader,
-    state: dict[Any, Any],
-    identifiers: list[list[Any]],
-    groups: list[dict[str, Any]],
-) -> dict[Any, Any]:
-    """The saved entries of a format 2 checkpoint in format 1 (gefen.core.template)."""
-    absorbed = dict(state)
-    for group_index, (ids, group) in enumerate(zip(identifiers, groups, strict=True)):
-        for slot, (ident, param) in enumerate(zip(ids, group["params"], strict=True)):
-            if ident in state:
-                label = parameter_label(group, group_index, slot)
-                where = f"{loader.owner} checkpoint: entry {label}"
-                absorbed[ident] = absorb_entry(loader.optimizer, group, param, state[ident], where)
-    return absorbed
-
-
 def _first_places(keys: list[Any]) -> list[int]:
     """For each place, the first place holding an equal key (the repetition pattern)."""
     first: dict[Any, int] = {}
@@ -463,7 +455,7 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
         for index, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True))
     ]
     if extras["format_version"] == TEMPLATE_FORMAT:
-        state = _absorbed(loader, state, identifiers, staged_groups)
+        state = absorb_state(optimizer, state, identifiers, staged_groups)
     saved = _saved_entries(loader, state, identifiers, extras, staged_groups)
     entries = optimizer.stage_entries(saved, staged_groups, extras)
     codebook = extras["codebook"]

@@ -25,6 +25,7 @@ from gefen.core.learning import (
     stage_periods,
 )
 from gefen.core.options import group_uses_codebook
+from gefen.core.resharding import summed_over
 from gefen.core.scoped import scoped_learn, scoped_refresh_table
 from gefen.dist import PHASE_INITIALIZE_PREAMBLE, PHASE_REFRESH_PREAMBLE, GuardedOperation
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_INITIALIZE, OP_REFRESH
@@ -66,7 +67,7 @@ def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning
         return StagedLearning(noop=True) if learned is None else learned
     inputs = opt.codebook_inputs(op)
     periods = _stage_new_periods(opt, inputs)
-    counts = build_histogram(_coded(opt, inputs), periods)
+    counts = _shared(opt, op, build_histogram(_coded(opt, inputs), periods))
     if not any_nonzero_agreed(counts, op.scope):
         return StagedLearning(noop=True)
     device = inputs[0][1].device if inputs else torch.device("cpu")
@@ -87,11 +88,18 @@ def _refreshed(
         if learned is None or learned.codebook is None:
             return None
         return learned.codebook, scoped_refresh_table(opt, op, learned.codebook)
-    counts = build_histogram(_coded(opt, inputs), {**_live_periods(opt), **staged})
+    counts = _shared(
+        opt, op, build_histogram(_coded(opt, inputs), {**_live_periods(opt), **staged})
+    )
     if not bool(counts.sum().item() > 0):
         return None
     new_codebook = solve_new_codebook(counts, current.device)
     return new_codebook, remap_table(current, new_codebook)
+
+
+def _shared(opt: ShellInterface, op: GuardedOperation, counts: Tensor) -> Tensor:
+    """A row-sharded optimizer learns one codebook per mesh: the histogram summed over it."""
+    return summed_over(counts, op.scope) if opt.row_sharded() else counts
 
 
 def _scoped(opt: ShellInterface, op: GuardedOperation) -> bool:

@@ -25,6 +25,7 @@ from gefen.core.options import (
     validate_gefen_options,
 )
 from gefen.core.options import lr_value as _lr_value  # module attribute: tests count reads
+from gefen.core.resharding import dtensor_period, row_sharded_mesh
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import (
     CodecKeys,
@@ -206,15 +207,30 @@ class Gefen(OptimizerShell):
     def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
         """The period from the shape (docs/core.md §4.1): 1 where forced or for one element; one
         block per row where a tensor of two or more dimensions has rows of at least 8 elements
-        (so blocks never cross a row-shard boundary); None for the rest, which §4 searches."""
-        local = local_tensor(param)
-        numel = local.numel()
-        if numel == 0:
-            return None
+        (so blocks never cross a row-shard boundary); None for the rest, which §4 searches. A
+        DTensor takes ``dtensor_period`` (§9.1): rows, or 1 for a vector."""
         forced = (param.dim() == 1 and bool(group["force_1d_period_one"])) or (
             param.dim() == 2 and bool(group["force_2d_period_one"])
         )
-        return 1 if forced or numel == 1 else row_period(tuple(local.shape))
+        if is_dtensor(param):  # rows, or 1: never a block across a row shard (§9.1)
+            period = dtensor_period(param)
+            return 1 if forced and period is not None else period
+        numel = param.numel()
+        if numel == 0:
+            return None
+        return 1 if forced or numel == 1 else row_period(tuple(param.shape))
+
+    def row_sharded(self) -> bool:
+        """FSDP2 state DCP reshards (docs/core.md §9.1): every parameter row-sharded over one
+        mesh, no explicit scope, and every period one block per row (``force_2d_period_one``
+        or a loaded rank-local checkpoint may give others)."""
+        indexed = self.indexed_params()
+        if self.finalized is not None or row_sharded_mesh(p for _, _, p in indexed) is None:
+            return False
+        return all(
+            self.state.get(param, {}).get("period", 0) in (0, dtensor_period(param))
+            for _, _, param in indexed
+        )
 
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]

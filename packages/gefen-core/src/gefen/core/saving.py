@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
+from gefen.core.resharding import as_row_dtensors
 from gefen.core.state import is_initialized
 from gefen.core.template import TEMPLATE_FORMAT, present_codebook, present_entry
 from gefen.dist import rank_local_header
@@ -90,9 +91,11 @@ def build_state_dict(
     indices = torch_indices(optimizer.param_groups)
     flat = [index for group in indices for index in group]
     state: dict[Any, Any] = {flat[position]: entry for position, entry in entries.items()}
+    row_sharded = optimizer.row_sharded()
     if optimizer.TEMPLATE_COMPLETE:  # format 2: every entry complete (gefen.core.template)
         for position, group, param in optimizer.indexed_params():
-            state[flat[position]] = present_entry(optimizer, group, param, entries[position])
+            entry = present_entry(optimizer, group, param, entries[position])
+            state[flat[position]] = as_row_dtensors(entry, param) if row_sharded else entry
     # torch types the state by Tensor keys; user code may add others (torch keeps them too).
     everything = cast(Mapping[object, Any], optimizer.state)
     for key, value in everything.items():
@@ -111,6 +114,8 @@ def build_state_dict(
         packed = {key: value for key, value in group.items() if key != "params"}
         packed["params"] = group_indices
         packed[EXTRAS_KEY] = _extras_copy(optimizer, entries)
+        if row_sharded:  # DCP keeps only these copies: a rank-independent file (§9.1)
+            packed[EXTRAS_KEY].pop("rank_local", None)
         groups.append(packed)
     return {"state": state, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
 

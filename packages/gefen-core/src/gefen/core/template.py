@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
 from gefen.core.state import CODEBOOK_SIZE, EntrySpec, allocate_entry, is_initialized
-from gefen.core.validation import local_tensor
+from gefen.core.validation import local_tensor, parameter_label
 
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
@@ -35,6 +35,7 @@ __all__ = [
     "TemplateLayout",
     "absorb_codebook",
     "absorb_entry",
+    "absorb_state",
     "present_codebook",
     "present_entry",
 ]
@@ -57,6 +58,10 @@ class TemplateLayout:
         """Optional keys (``EntrySpec.extra_pairs``) a not yet updated entry offers as zeros."""
         return ()
 
+    def row_sharded(self) -> bool:
+        """Whether the state is row-sharded and saved as DTensors (gefen.core.resharding)."""
+        return False
+
 
 def present_codebook(codebook: Tensor | None) -> dict[str, Any]:
     """The codebook's extras keys: a copy in a 256-value slot, and whether it is learned."""
@@ -73,7 +78,13 @@ def absorb_codebook(extras: Mapping[str, Any]) -> dict[str, Any]:
     if type(present) is not int or present not in (0, 1):
         raise ValueError(f"'{PRESENCE_KEY}' must be the int 0 or 1, got {present!r}")
     if present == 0:
-        if not isinstance(slot, Tensor) or slot.numel() != CODEBOOK_SIZE or bool(slot.any()):
+        if not (
+            isinstance(slot, Tensor)
+            and slot.layout == torch.strided
+            and not slot.is_meta
+            and slot.numel() == CODEBOOK_SIZE
+            and not bool(slot.any())
+        ):
             raise ValueError(f"'{PRESENCE_KEY}' is 0 but the codebook slot is not 256 zeros")
         absorbed["codebook"] = None
     return absorbed
@@ -167,6 +178,8 @@ def absorb_entry(
     format 2 entry is returned unchanged for the validator to name."""
     if not isinstance(entry, Mapping) or "step" not in entry:
         return entry
+    # A row-sharded save's DTensors, resharded by DCP to this rank's rows: their local part.
+    entry = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in entry.items()}
     spec = optimizer.entry_spec(group, param)
     if type(entry["step"]) is int and entry["step"] == 0:
         _reject_unless_zero(entry, spec, where)
@@ -187,4 +200,22 @@ def absorb_entry(
             if bool(_readable(slot, key, where)[blocks:].any()):
                 raise ValueError(f"{where}: '{key}' holds values past its {blocks} blocks")
             absorbed[key] = slot[:blocks]
+    return absorbed
+
+
+def absorb_state(
+    optimizer: ShellInterface,
+    state: Mapping[Any, Any],
+    identifiers: list[list[Any]],
+    groups: list[dict[str, Any]],
+) -> dict[Any, Any]:
+    """The saved entries of a format 2 checkpoint, by identifier, in format 1 (each listed one
+    through ``absorb_entry``; the others, a user's keys, as they are)."""
+    absorbed = dict(state)
+    for group_index, (ids, group) in enumerate(zip(identifiers, groups, strict=True)):
+        for slot, (ident, param) in enumerate(zip(ids, group["params"], strict=True)):
+            if ident in state:
+                label = parameter_label(group, group_index, slot)
+                where = f"{optimizer.OWNER_NAME} checkpoint: entry {label}"
+                absorbed[ident] = absorb_entry(optimizer, group, param, state[ident], where)
     return absorbed

@@ -1,0 +1,100 @@
+"""FSDP2 state that DCP reshards to another world size (docs/core.md §9.1).
+
+FSDP2 shards every parameter by rows (``Shard(0)``) over one mesh. Gefen's DTensor period keeps
+each block inside one row (one block per row, period 1 for a vector; rows under 8 elements give
+blocks under 8, which costs bytes on a rare shape, never correctness), so a rank's codes, scales
+and second moments belong to exactly its own rows. When every parameter is sharded that way over
+one mesh of two or more ranks, and every rank holds at least one row of each, the optimizer is
+*row-sharded*: it learns one codebook from the histogram summed over the mesh, its counters are
+equal on every rank, and ``state_dict()`` presents the per-row tensors as DTensors with the
+parameter's placement. ``get_optimizer_state_dict``, ``dcp.save``, ``dcp.load`` and
+``set_optimizer_state_dict`` then reshard them with no code of ours in between. Anything else
+keeps the rank-local state of docs/dist.md §10.3.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gefen.core.validation import is_dtensor, local_tensor
+from gefen.dist import Channel, mesh_key
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["as_row_dtensors", "dtensor_period", "row_sharded_mesh", "summed_over"]
+
+
+def dtensor_period(param: Tensor) -> int | None:
+    """A DTensor parameter's period, from its shape alone: one block per row of its local
+    shard, ``prod(shape[1:])``, for two or more dimensions (below 8 elements too: a block must
+    not cross a row), 1 for a vector; None for a parameter with no element at all."""
+    if math.prod(param.shape) == 0:
+        return None
+    return math.prod(local_tensor(param).shape[1:]) if param.dim() >= 2 else 1
+
+
+def _every_rank_has_rows(rows: int, world: int) -> bool:
+    """Whether ``torch.chunk`` (FSDP2's split) gives each of ``world`` ranks a row."""
+    chunk = -(-rows // world)
+    return rows > 0 and -(-rows // chunk) == world
+
+
+def row_sharded_mesh(params: Iterable[Tensor]) -> DeviceMesh | None:
+    """The one mesh every parameter is row-sharded over (each rank holding rows of each), or
+    None. Computed from shapes and placements alone, so every rank decides alike."""
+    from torch.distributed.tensor import Shard
+
+    mesh: DeviceMesh | None = None
+    for param in params:
+        if not is_dtensor(param) or param.dim() == 0:
+            return None
+        own: DeviceMesh = param.device_mesh  # type: ignore[attr-defined]
+        placements = tuple(param.placements)  # type: ignore[attr-defined]
+        if own.ndim != 1 or own.size() < 2 or placements != (Shard(0),):
+            return None
+        if mesh is not None and mesh_key(own) != mesh_key(mesh):
+            return None
+        if not _every_rank_has_rows(int(param.shape[0]), own.size()):
+            return None
+        mesh = own
+    return mesh
+
+
+def as_row_dtensors(entry: Mapping[str, Any], param: Tensor) -> dict[str, Any]:
+    """``entry`` with each per-row tensor (one row per block, blocks inside rows) presented as
+    a DTensor sharded like ``param``: (rows, width) globally, this rank's rows locally."""
+    from torch.distributed.tensor import DTensor
+
+    rows = int(param.shape[0])
+    presented: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and value.dim() == 2:
+            width = int(value.shape[1])
+            presented[key] = DTensor.from_local(
+                value,
+                param.device_mesh,  # type: ignore[attr-defined]
+                param.placements,  # type: ignore[attr-defined]
+                run_check=False,
+                shape=torch.Size((rows, width)),
+                stride=(width, 1),
+            )
+        else:
+            presented[key] = value
+    return presented
+
+
+def summed_over(counts: Tensor, scope: Sequence[Channel]) -> Tensor:
+    """``counts`` summed exactly (int64) over the one channel of a row-sharded optimizer's
+    scope: the histogram every rank of the mesh then solves alike."""
+    import torch.distributed as dist
+
+    (channel,) = scope
+    total = counts.to(device=channel.device, dtype=torch.int64, copy=True)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=channel.process_group)
+    return total.to(counts.device)
