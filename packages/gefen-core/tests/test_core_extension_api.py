@@ -52,6 +52,7 @@ EXPECTED = {
     "run_step": "gefen.core.transaction",
     "select_period": "gefen.core.kernels",
     "row_period": "gefen.core.kernels",
+    "row_sharded_mesh": "gefen.core.resharding",
     "stage_entries": "gefen.core.loading",
     "torch_indices": "gefen.core.saving",
     "validate_gradient_structure": "gefen.core.validation",

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from gefen.core.testing import gathered_optimizer_state, nested_equal
 from gefen.dist.testing import gloo_required, run_scenarios
 
 pytestmark = [pytest.mark.multirank, gloo_required()]
@@ -44,22 +45,6 @@ def _train(model: Any, optimizer: Any, rank: int, seeds: range) -> None:
         optimizer.step()
 
 
-def _gathered(model: Any, optimizer: Any) -> dict[str, Any]:
-    """The optimizer's DCP state dict with every DTensor gathered (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    def full(value: Any) -> Any:
-        if hasattr(value, "full_tensor"):
-            return value.full_tensor()
-        if isinstance(value, dict):
-            return {key: full(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [full(item) for item in value]
-        return value
-
-    return full(get_optimizer_state_dict(model, optimizer))  # type: ignore[no-any-return]
-
-
 def _full_params(model: Any) -> list[torch.Tensor]:
     # a copy: on a one-rank mesh full_tensor() is the parameter's own storage
     return [param.full_tensor().detach().clone() for param in model.parameters()]
@@ -77,7 +62,7 @@ def scenario_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     model = _model(world_size)
     optimizer = Gefen(model.parameters(), lr=0.01)
     _train(model, optimizer, rank, range(3))
-    expected = _gathered(model, optimizer)
+    expected = gathered_optimizer_state(model, optimizer)
     optim = get_optimizer_state_dict(model, optimizer)
     state = {"model": get_model_state_dict(model), "optim": optim}
     dcp.save(state, checkpoint_id=str(Path(folder) / "checkpoint"))
@@ -89,16 +74,6 @@ def scenario_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "row_sharded": optimizer.row_sharded(),
         "periods": sorted({entry["period"] for entry in optimizer.state.values()}),
     }
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def scenario_resume(rank: int, world_size: int, folder: str, saved_world: int) -> dict[str, Any]:
@@ -120,10 +95,10 @@ def scenario_resume(rank: int, world_size: int, folder: str, saved_world: int) -
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     saved = torch.load(Path(folder) / "saved.pt", weights_only=True)
-    expected, gathered = saved["expected"], _gathered(model, optimizer)
-    state_equal = _equal(gathered["state"], expected["state"])
+    expected, gathered = saved["expected"], gathered_optimizer_state(model, optimizer)
+    state_equal = nested_equal(gathered["state"], expected["state"])
     extras = [sd["param_groups"][0]["gefen"] for sd in (gathered, expected)]
-    extras_equal = _equal(*extras)
+    extras_equal = nested_equal(*extras)
     step = optimizer.global_step
     before = _full_params(model)
     _train(model, optimizer, rank, range(3, 5))
@@ -188,3 +163,74 @@ def test_a_world_four_checkpoint_resumes_at_two(from_four: dict[int, Any]) -> No
         assert result["extras_equal"]
         assert result["step"] == 3
         assert result["trained"]
+
+
+def scenario_misfits(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """Fail closed on every rank, nothing changed, training continues: a DCP file of another
+    codec (DCP's planner refuses it), and a codebook presence flag damaged on one rank only
+    (the load vote refuses it everywhere)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from gefen.core import Gefen
+    from gefen.core.testing import SNAPSHOT_ATTRIBUTES
+    from gefen.dist import DistributedStepError
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    source_model = _model(world_size)
+    source = Gefen(source_model.parameters(), lr=0.01, momentum_codec="none")
+    _train(source_model, source, rank, range(2))
+    path = str(Path(folder) / "none")
+    dcp.save({"optim": get_optimizer_state_dict(source_model, source)}, checkpoint_id=path)
+    model = _model(world_size)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    outcomes: dict[str, Any] = {}
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    try:
+        template = get_optimizer_state_dict(model, optimizer)
+        dcp.load({"optim": template}, checkpoint_id=path)
+        outcomes["codec"] = "loaded"
+    except CheckpointException as error:
+        causes = " ".join(str(failure[0]) for failure in error.failures.values())
+        outcomes["codec"] = "Missing key" in causes
+    outcomes["codec_changes"] = snapshot_diff(
+        before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    )
+    damaged = get_optimizer_state_dict(model, optimizer)
+    if rank == 1:
+        for group in damaged["param_groups"]:
+            group["gefen"]["codebook_present"] = 0
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    try:
+        set_optimizer_state_dict(model, optimizer, damaged)
+        outcomes["presence"] = "loaded"
+    except DistributedStepError as error:
+        outcomes["presence"] = str(error)
+    outcomes["presence_changes"] = snapshot_diff(
+        before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    )
+    _train(model, optimizer, rank, range(2, 3))
+    outcomes["step"] = optimizer.global_step
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def misfits(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = str(tmp_path_factory.mktemp("misfits"))
+    return run_scenarios([("misfits", scenario_misfits, (folder,))], 2, rank_deadline_s=300.0)
+
+
+def test_a_misfitting_checkpoint_fails_closed_on_every_rank(misfits: Any) -> None:
+    first, second = misfits["misfits"]
+    for result in (first, second):
+        assert result["codec"] is True
+        assert result["codec_changes"] == []
+        assert result["presence_changes"] == []
+        assert result["step"] == 3
+    assert first["presence"] == "Gefen load validation failed on another process-group member"
+    assert second["presence"].startswith("Gefen load validation failed on local rank 1")

@@ -13,6 +13,7 @@ built on the shell uses the same list. Names are grouped by what they are for:
 * state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
   ``stage_entries``, ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
 * codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``, ``row_period``;
+* FSDP2 resharding: ``row_sharded_mesh``;
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
@@ -43,6 +44,7 @@ from gefen.core.options import (
     lr_value,
 )
 from gefen.core.participant import ShellInterface
+from gefen.core.resharding import row_sharded_mesh
 from gefen.core.saving import torch_indices
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
@@ -97,6 +99,7 @@ __all__ = [
     "parameter_label",
     "resolve_default",
     "row_period",
+    "row_sharded_mesh",
     "run_load",
     "run_step",
     "select_period",

@@ -11,7 +11,8 @@ default-world DTensor layouts, a one-member ``CodebookProcessGroupBinding``, a w
 and ``rejects`` (an action fails with a given error and changes nothing). For the multi-rank
 scenarios: ``attempt`` (a must-fail operation, timed, described as plain data), ``local_shard``,
 ``same_or_none``, ``finalized_snapshot``/``snapshot_changes`` and ``oracle_codebook``.
-``format1_state_dict`` rewrites a format 2 checkpoint in format 1 (what older releases wrote). The
+``format1_state_dict`` rewrites a format 2 checkpoint in format 1 (what older releases wrote);
+``gathered_optimizer_state`` and ``nested_equal`` compare DCP state across world sizes. The
 module imports neither pytest nor ``torch.distributed`` at import time.
 """
 
@@ -52,8 +53,10 @@ __all__ = [
     "flattened_shard",
     "forbid_collectives",
     "format1_state_dict",
+    "gathered_optimizer_state",
     "live_params",
     "local_shard",
+    "nested_equal",
     "oracle_codebook",
     "rejects",
     "replicated_shard",
@@ -347,3 +350,42 @@ def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
         for index, param in zip(group_indices, group["params"], strict=True):
             old["state"][index] = absorb_entry(optimizer, group, param, old["state"][index], "")
     return old
+
+
+def gathered_optimizer_state(model: Any, optimizer: Any) -> Any:
+    """``get_optimizer_state_dict(model, optimizer)`` with every DTensor gathered by
+    ``full_tensor()`` (collective: every rank calls it) and every plain tensor copied, so it
+    keeps the values of this moment while the live state moves on."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    def full(value: Any) -> Any:
+        if hasattr(value, "full_tensor"):
+            return value.full_tensor()
+        if isinstance(value, Tensor):
+            return value.detach().clone()
+        if isinstance(value, dict):
+            return {key: full(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [full(item) for item in value]
+        return value
+
+    return full(get_optimizer_state_dict(model, optimizer))
+
+
+def nested_equal(a: Any, b: Any) -> bool:
+    """Exact equality through dicts, lists and tuples: tensors by dtype and values."""
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(nested_equal(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(nested_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return bool(a == b)

@@ -215,13 +215,16 @@ def adamw_rank_local_header(backup: torch.optim.Optimizer) -> dict[str, Any] | N
 def _rank_local(
     backup: torch.optim.Optimizer, sd: Mapping[str, Any]
 ) -> tuple[dict[str, Any], int, tuple[Channel, ...]] | None:
-    """A sharded backup's file must be this rank's (its header), tagged by its latest step."""
+    """A sharded backup's file written whole must be this rank's (its header), tagged by its
+    latest step. Without the header it is DCP's (``get_optimizer_state_dict`` drops the
+    top-level keys that carry it): torch's AdamW state is DTensors, which DCP reshards to this
+    rank's shards, so it loads at any world size (docs/hybrid.md §8)."""
     scope = collect_failure_scope(backup.param_groups)
-    if not scope:
-        return None
     header = sd.get(RANK_LOCAL_KEY)
+    if not scope or header is None:
+        return None
     if not isinstance(header, dict):
-        raise _reject(f"a sharded backup's checkpoint needs its {RANK_LOCAL_KEY!r} header")
+        raise _reject(f"a sharded backup's {RANK_LOCAL_KEY!r} header must be a dict")
     try:
         check_rank_local_header(header, scope)
     except ValueError as error:

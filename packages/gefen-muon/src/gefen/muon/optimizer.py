@@ -29,6 +29,7 @@ from gefen.core.extension import (
     is_initialized,
     local_tensor,
     row_period,
+    row_sharded_mesh,
     run_step,
     select_period,
 )
@@ -438,6 +439,23 @@ class GefenMuon(OptimizerShell):
         modes = [parameter_mode(g, p) for g in groups for p in g["params"]]
         own = [i for i, mode in enumerate(modes) if mode in (EXACT, DISTRIBUTED)]
         return own or super().replicated_positions(groups)
+
+    def row_sharded(self) -> bool:
+        """approx state DCP reshards (docs/muon.md §8, docs/core.md §9.1): every group approx,
+        every matrix row-sharded over one mesh, no explicit scope, one block per row."""
+        indexed = self.indexed_params()
+        if self.finalized is not None or any(
+            group["sharded_mode"] != APPROX for group in self.param_groups
+        ):
+            return False
+        if row_sharded_mesh(param for _, _, param in indexed) is None:
+            return False
+        for _, group, param in indexed:
+            row = quantized_shape(group, param)[1] if group_uses_codebook(group) else 1
+            period = self.state.get(param, {}).get("period", 0)
+            if self.template_period(group, param) != row or period not in (0, row):
+                return False
+        return True
 
     def rank_local_checkpoint(self) -> bool:
         approx = any(group["sharded_mode"] == APPROX for group in self.param_groups)
