@@ -165,10 +165,16 @@ def test_a_world_four_checkpoint_resumes_at_two(from_four: dict[int, Any]) -> No
         assert result["trained"]
 
 
+MISFIT_FILES = [
+    ("codec", {"momentum_codec": "none"}, "Missing key"),
+    ("periods", {"force_2d_period_one": True}, "Size mismatch"),
+]
+
+
 def scenario_misfits(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    """Fail closed on every rank, nothing changed, training continues: a DCP file of another
-    codec (DCP's planner refuses it), and a codebook presence flag damaged on one rank only
-    (the load vote refuses it everywhere)."""
+    """Fail closed on every rank, nothing changed, training continues: DCP files of another
+    codec or other periods (DCP's planner refuses them), and a codebook presence flag damaged on
+    one rank only (the load vote refuses it everywhere)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -181,24 +187,47 @@ def scenario_misfits(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     from gefen.dist import DistributedStepError
     from gefen.dist.testing import deep_snapshot, snapshot_diff
 
-    source_model = _model(world_size)
-    source = Gefen(source_model.parameters(), lr=0.01, momentum_codec="none")
-    _train(source_model, source, rank, range(2))
-    path = str(Path(folder) / "none")
-    dcp.save({"optim": get_optimizer_state_dict(source_model, source)}, checkpoint_id=path)
     model = _model(world_size)
     optimizer = Gefen(model.parameters(), lr=0.01)
     _train(model, optimizer, rank, range(2))
     outcomes: dict[str, Any] = {}
+    # another codec: keys the template needs are missing; other periods (a rank-local save with
+    # period 1 for the matrices): the shapes differ
+    for name, options, cause in MISFIT_FILES:
+        source_model = _model(world_size)
+        source = Gefen(source_model.parameters(), lr=0.01, **options)
+        _train(source_model, source, rank, range(2))
+        path = str(Path(folder) / name)
+        dcp.save({"optim": get_optimizer_state_dict(source_model, source)}, checkpoint_id=path)
+        before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+        try:
+            template = get_optimizer_state_dict(model, optimizer)
+            dcp.load({"optim": template}, checkpoint_id=path)
+            outcomes[name] = "loaded"
+        except CheckpointException as error:
+            causes = " ".join(str(failure[0]) for failure in error.failures.values())
+            outcomes[name] = cause in causes
+        outcomes[f"{name}_changes"] = snapshot_diff(
+            before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+        )
+    # an entry re-blocked by hand (period 4 where the rule is one block per row, 8): its shapes
+    # fit the validator, and every rank refuses it in the load vote
+    reblocked = get_optimizer_state_dict(model, optimizer)
+    entry = reblocked["state"]["0.weight"]
+    rows = entry["momentum_codes"].to_local().shape[0] * 2
+    entry.update(
+        period=4,
+        momentum_codes=torch.zeros(rows, 4, dtype=torch.uint8),
+        momentum_scale=torch.zeros(rows, 1),
+        v_block=torch.zeros(rows, 1),
+    )
     before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
     try:
-        template = get_optimizer_state_dict(model, optimizer)
-        dcp.load({"optim": template}, checkpoint_id=path)
-        outcomes["codec"] = "loaded"
-    except CheckpointException as error:
-        causes = " ".join(str(failure[0]) for failure in error.failures.values())
-        outcomes["codec"] = "Missing key" in causes
-    outcomes["codec_changes"] = snapshot_diff(
+        set_optimizer_state_dict(model, optimizer, reblocked)
+        outcomes["row_periods"] = "loaded"
+    except DistributedStepError as error:
+        outcomes["row_periods"] = str(error.__cause__)
+    outcomes["row_periods_changes"] = snapshot_diff(
         before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
     )
     damaged = get_optimizer_state_dict(model, optimizer)
@@ -228,9 +257,12 @@ def misfits(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_a_misfitting_checkpoint_fails_closed_on_every_rank(misfits: Any) -> None:
     first, second = misfits["misfits"]
     for result in (first, second):
-        assert result["codec"] is True
-        assert result["codec_changes"] == []
+        for name, _, _ in MISFIT_FILES:
+            assert result[name] is True, name
+            assert result[f"{name}_changes"] == [], name
         assert result["presence_changes"] == []
         assert result["step"] == 3
+        assert "period 4 does not fit the row-sharded FSDP2 layout" in result["row_periods"]
+        assert result["row_periods_changes"] == []
     assert first["presence"] == "Gefen load validation failed on another process-group member"
     assert second["presence"].startswith("Gefen load validation failed on local rank 1")

@@ -20,7 +20,13 @@ from gefen.dist.testing import gloo_required, run_scenarios
 pytestmark = [pytest.mark.multirank, gloo_required()]
 
 VOCAB, WIDTH, HIDDEN = 16, 8, 12
-CASES = [("gefen", "exact"), ("gefen", "approx"), ("gefen", "distributed"), ("adamw", "exact")]
+CASES = [
+    ("gefen", "exact"),
+    ("gefen", "approx"),
+    ("gefen", "distributed"),
+    ("adamw", "exact"),
+    ("adamw", "approx"),
+]
 
 
 class _LM(nn.Module):

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
 from gefen.core.replicas import NO_REPLICA, replica_words
+from gefen.core.resharding import check_row_periods
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
@@ -458,6 +459,8 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
         state = absorb_state(optimizer, state, identifiers, staged_groups)
     saved = _saved_entries(loader, state, identifiers, extras, staged_groups)
     entries = optimizer.stage_entries(saved, staged_groups, extras)
+    if optimizer.row_sharded():
+        check_row_periods(optimizer, entries, staged_groups)
     codebook = extras["codebook"]
     if codebook is None and _needs_codebook(optimizer, staged_groups, entries, extras):
         raise loader.reject("codes but no codebook (global_step > 0 or a non-pristine entry)")

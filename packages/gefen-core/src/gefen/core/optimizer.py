@@ -222,15 +222,11 @@ class Gefen(OptimizerShell):
 
     def row_sharded(self) -> bool:
         """FSDP2 state DCP reshards (docs/core.md §9.1): every parameter row-sharded over one
-        mesh, no explicit scope, and every period one block per row (``force_2d_period_one``
-        or a loaded rank-local checkpoint may give others)."""
-        indexed = self.indexed_params()
-        if self.finalized is not None or row_sharded_mesh(p for _, _, p in indexed) is None:
+        mesh, no explicit scope, and no matrix forced to period 1. Decided from shapes and
+        options alone, so alike on every rank (a load refuses other periods)."""
+        if self.finalized is not None or any(g["force_2d_period_one"] for g in self.param_groups):
             return False
-        return all(
-            self.state.get(param, {}).get("period", 0) in (0, dtensor_period(param))
-            for _, _, param in indexed
-        )
+        return row_sharded_mesh(param for _, _, param in self.indexed_params()) is not None
 
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]

@@ -21,13 +21,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gefen.core.validation import is_dtensor, local_tensor
+from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 from gefen.dist import Channel, mesh_key
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["as_row_dtensors", "dtensor_period", "row_sharded_mesh", "summed_over"]
+    from gefen.core.participant import ShellInterface
+
+__all__ = [
+    "as_row_dtensors",
+    "check_row_periods",
+    "dtensor_period",
+    "row_sharded_mesh",
+    "summed_over",
+]
 
 
 def dtensor_period(param: Tensor) -> int | None:
@@ -98,3 +106,23 @@ def summed_over(counts: Tensor, scope: Sequence[Channel]) -> Tensor:
     total = counts.to(device=channel.device, dtype=torch.int64, copy=True)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=channel.process_group)
     return total.to(counts.device)
+
+
+def check_row_periods(
+    optimizer: ShellInterface, entries: Mapping[int, Mapping[str, Any]], groups: list[Any]
+) -> None:
+    """A row-sharded optimizer's staged entries must keep one block per row (a checkpoint saved
+    with other periods, say under ``force_2d_period_one``, would not fit the DTensors it saves)."""
+    position = 0
+    for group_index, group in enumerate(groups):
+        for slot, param in enumerate(group["params"]):
+            period = entries.get(position, {}).get("period", 0)
+            expected = optimizer.template_period(group, param)
+            position += 1
+            if period in (0, expected):
+                continue
+            label = parameter_label(group, group_index, slot)
+            raise ValueError(
+                f"{optimizer.OWNER_NAME} checkpoint: entry {label}: period {period} does not fit "
+                f"the row-sharded FSDP2 layout (one block per row: {expected})"
+            )

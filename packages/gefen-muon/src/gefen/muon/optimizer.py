@@ -442,7 +442,8 @@ class GefenMuon(OptimizerShell):
 
     def row_sharded(self) -> bool:
         """approx state DCP reshards (docs/muon.md §8, docs/core.md §9.1): every group approx,
-        every matrix row-sharded over one mesh, no explicit scope, one block per row."""
+        every matrix row-sharded over one mesh, no explicit scope, and one block per row
+        (codebook8 matrices of 8 or more columns). Decided from shapes and options alone."""
         indexed = self.indexed_params()
         if self.finalized is not None or any(
             group["sharded_mode"] != APPROX for group in self.param_groups
@@ -450,12 +451,11 @@ class GefenMuon(OptimizerShell):
             return False
         if row_sharded_mesh(param for _, _, param in indexed) is None:
             return False
-        for _, group, param in indexed:
-            row = quantized_shape(group, param)[1] if group_uses_codebook(group) else 1
-            period = self.state.get(param, {}).get("period", 0)
-            if self.template_period(group, param) != row or period not in (0, row):
-                return False
-        return True
+        return all(
+            self.template_period(group, param)
+            == (quantized_shape(group, param)[1] if group_uses_codebook(group) else 1)
+            for _, group, param in indexed
+        )
 
     def rank_local_checkpoint(self) -> bool:
         approx = any(group["sharded_mode"] == APPROX for group in self.param_groups)
