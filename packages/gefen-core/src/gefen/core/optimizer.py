@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gefen.contracts import OptimizerContract
 from gefen.core.fused import has_fused_implementation
-from gefen.core.kernels import row_period, select_period
+from gefen.core.kernels import row_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import (
     GEFEN_OPTIMIZER_WIDE,
@@ -227,12 +227,6 @@ class Gefen(OptimizerShell):
         if self.finalized is not None or any(g["force_2d_period_one"] for g in self.param_groups):
             return False
         return row_sharded_mesh(param for _, _, param in self.indexed_params()) is not None
-
-    def select_new_period(
-        self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
-    ) -> int | None:
-        fixed = self.template_period(group, param)
-        return fixed if fixed is not None else select_period(view, shape, force_one=False)
 
     # -- kernels (§11) ----------------------------------------------------------------------
 

@@ -134,8 +134,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
-        """The period of a parameter seen for the first time (§4); Gefen decides ``force_one``."""
-        return select_period(view, shape, force_one=False)
+        """The period of a parameter seen for the first time: ``template_period`` where the
+        shape fixes it (§4.1), else §4's search of its first gradient."""
+        fixed = self.template_period(group, param)
+        return fixed if fixed is not None else select_period(view, shape, force_one=False)
 
     def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:
         """Per parameter with a non-empty gradient: (flat index, the gradient view the codebook

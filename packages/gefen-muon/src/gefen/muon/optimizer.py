@@ -31,7 +31,6 @@ from gefen.core.extension import (
     row_period,
     row_sharded_mesh,
     run_step,
-    select_period,
 )
 from gefen.dist import GuardedOperation, cuda_graph_capturing
 from gefen.muon.kernels import STANDARD_TRIPLE, adjust_lr_ratio, local_slice_of_full
@@ -209,12 +208,6 @@ class GefenMuon(OptimizerShell):
     def template_keys(self, group: Mapping[str, Any], param: Tensor) -> tuple[str, ...]:
         """A NorMuon group's entries create the NorMuon pair at their first update."""
         return ("normuon_v", "normuon_step") if group["normuon"] else ()
-
-    def select_new_period(
-        self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
-    ) -> int | None:
-        fixed = self.template_period(group, param)
-        return fixed if fixed is not None else select_period(view, shape, force_one=False)
 
     def _learning_view(self, group: Mapping[str, Any], param: Tensor) -> Tensor | None:
         """The gradient a period and the codebook are learned from (§5); None: nothing."""
