@@ -165,3 +165,59 @@ def test_an_approx_file_fails_closed_in_an_exact_optimizer(tmp_path: Path) -> No
         assert "sharded_mode 'approx' cannot load into 'exact'" in result["outcome"]
         assert result["changes"] == []
         assert result["step"] == 3
+
+
+def _full_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def scenario_full_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """One portable file, as for torch's AdamW under FSDP2: the full state dict on rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, optimizer = _build(world_size, "distributed")
+    _train(model, optimizer, range(3))
+    expected = gathered_optimizer_state(model, optimizer)
+    full = get_optimizer_state_dict(model, optimizer, options=_full_options())
+    if rank == 0:
+        torch.save({"optim": full, "expected": expected}, Path(folder) / "full.pt")
+    return {"plain": all(type(v) is torch.Tensor for v in _tensors(full))}
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, list):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def scenario_full_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    model, optimizer = _build(world_size, "distributed")
+    saved = torch.load(Path(folder) / "full.pt", weights_only=True)
+    optimizer.load_state_dict(saved["optim"])
+    gathered = gathered_optimizer_state(model, optimizer)
+    step = optimizer.global_step
+    _train(model, optimizer, range(3, 5))
+    return {
+        "state_equal": nested_equal(gathered["state"], saved["expected"]["state"]),
+        "trained": (step, optimizer.global_step),
+    }
+
+
+def test_a_full_state_dict_of_distributed_rows_is_one_file_for_any_world(tmp_path: Path) -> None:
+    saved = run_scenarios(
+        [("save", scenario_full_save, (str(tmp_path),))], 2, rank_deadline_s=300.0
+    )
+    assert all(result["plain"] for result in saved["save"])
+    for world in (1, 3):
+        resumed = run_scenarios(
+            [("resume", scenario_full_resume, (str(tmp_path),))], world, rank_deadline_s=300.0
+        )
+        for result in resumed["resume"]:
+            assert result["state_equal"]
+            assert result["trained"] == (3, 5)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from gefen.core.testing import format1_state_dict
+from gefen.core.testing import format1_state_dict, gathered
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
 from gefen.muon import testing as mt
 
@@ -183,24 +183,25 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
     params = list(model.parameters())
     live_owned = mt.owned(optimizer, model)
     before = mt.snapshot(optimizer)
-    elapsed, error, sd = timed(optimizer.state_dict)
+    elapsed, error, presented = timed(optimizer.state_dict)
     assert error is None, error
-    assert sd is not None
+    assert presented is not None
     unchanged = mt.changes(optimizer, before)
+    rows = _presented_rows(presented, params)
+    # Gathered as DCP's full_state_dict gathers it: one portable file, equal on every rank.
+    sd = gathered(presented)
     manifest = sd["gefen"]["muon_distributed"]
-    # As in torch, the saved tensors are the live ones (docs/core.md §8.1): digest them now,
-    # before the in-place steps below move the owner's entries.
     digests = {i: mt.digest(entry) for i, entry in sd["state"].items()}
     live_forms = format1_state_dict(optimizer, sd)["state"]  # format 2 read back
     saved_owner_equal = [
         mt.same_entry(live_forms[i], optimizer.state[params[i]]) for i in live_owned
     ]
     saved_params = mt.full_params(model)
-    payload, loaded = mt.round_trip(sd)
-    # Resume at world 2 from the torch.save / weights_only round trip.
+    payload, _ = mt.round_trip(sd)
+    # Resume at world 2 from the presented rows' torch.save / weights_only round trip.
     resumed_model = mt.sharded(mesh, saved_params)
     resumed = mt.sharded_muon(resumed_model, sharded_mode="distributed")
-    resumed.load_state_dict(loaded)
+    resumed.load_state_dict(mt.round_trip(presented)[1])
     resumed_owned = mt.owned(resumed, resumed_model)
     resumed_owner_equal = all(
         mt.same_entry(resumed.state[r], optimizer.state[p])
@@ -238,7 +239,26 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
         "bitwise": mt.bits_equal(mt.full_params(model), final),
         "oracle_diff": mt.max_diff(final, [p.detach() for p in oracle_params]),
         "blob": blob,
+        "rows": rows,
     }
+
+
+def _presented_rows(sd: dict[str, Any], params: list[Any]) -> dict[int, Any]:
+    """Per saved entry: for each tensor, ("rows", local rows, global rows) when it is a DTensor
+    sharded Shard(0) like its parameter, else ("full", rows)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    described: dict[int, Any] = {}
+    for index, entry in sd["state"].items():
+        local = int(params[index].to_local().shape[0])
+        forms = {}
+        for key, value in entry.items():
+            if isinstance(value, DTensor) and tuple(value.placements) == (Shard(0),):
+                forms[key] = ("rows", int(value.to_local().shape[0]), int(value.shape[0]), local)
+            elif isinstance(value, Tensor) and value.dim() == 2:
+                forms[key] = ("full", int(value.shape[0]))
+        described[index] = forms
+    return described
 
 
 def scenario_approx_rank_local_rejections(rank: int, world: int) -> dict[str, Any]:
@@ -471,9 +491,25 @@ def test_distributed_save_is_collective_consolidated_and_resumes_at_world_two(
         assert result["resumed_step"] == 4
         assert result["bitwise"]
         assert result["oracle_diff"] <= 1e-3
-    # Every rank holds the owner's entries after the save: identical content everywhere.
+    # Gathered, every rank holds the owner's entries: identical content everywhere.
     assert results[0]["digests"] == results[1]["digests"]
     assert sorted(results[0]["digests"]) == list(range(len(SHAPES5)))
+
+
+def test_distributed_save_presents_one_block_per_row_matrices_as_rows(
+    world: ScenarioWorld,
+) -> None:
+    """(6, 8) has a row per block and rows on both ranks: each rank saves its 3 rows as DTensor
+    rows (half the state); the others (searched periods, a one-row matrix) stay full."""
+    for result in world["checkpoint"]:
+        rows = result["rows"]
+        assert rows[4] == {
+            "momentum_codes": ("rows", 3, 6, 3),
+            "momentum_scale": ("rows", 3, 6, 3),
+        }
+        for index in (0, 1, 2, 3):
+            assert sorted(rows[index]) == ["momentum_codes", "momentum_scale"]
+            assert all(form[0] == "full" for form in rows[index].values())
 
 
 def test_distributed_save_resumes_in_one_process_without_torch_distributed(

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gefen.core.testing import format1_state_dict
+from gefen.core.testing import format1_state_dict, gathered
 from gefen.dist.testing import ScenarioWorld, gloo_required, run_scenarios, timed
 from gefen.muon import testing as mt
 
@@ -42,12 +42,12 @@ def scenario_world2_save_resumes_at_world4(rank: int, world: int) -> dict[str, A
         mt.assign_sharded(pair_model, mt.grads(SHAPES5, 61, step))
         pair.step()
     before = mt.snapshot(pair)
-    save_s, save_error, sd = timed(pair.state_dict)
+    save_s, save_error, presented = timed(pair.state_dict)
     assert save_error is None, save_error
-    assert sd is not None
+    assert presented is not None
     save_changes = mt.changes(pair, before)
-    # As in torch, the saved tensors are the live ones (docs/core.md §8.1): digest them now,
-    # before the in-place steps below move the owner's entries.
+    # A world-2 pair's rows gathered (as DCP's full_state_dict does): a file for any world size.
+    sd = gathered(presented)
     digests = {i: mt.digest(entry) for i, entry in sd["state"].items()}
     saved_params = mt.full_params(pair_model)
     _, loaded = mt.round_trip(sd)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from gefen.core.deferred import assemble_pending
 from gefen.core.options import group_uses_codebook
 from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.resharding import check_row_periods
@@ -110,8 +111,8 @@ class PreparedLoad:
 
     def agree(self, operation: GuardedOperation) -> None:
         """Symmetric checks on gathered data: with a codebook scope the load's header (the step,
-        codebook and replicated state it would publish, docs/dist.md §9.2), then the rank-local
-        records (§10.3)."""
+        codebook and replicated state it would publish, docs/dist.md §9.2), the rank-local
+        records (§10.3), then the pending entries' assembly (gefen.core.deferred)."""
         if operation.binding is not None:
             words = load_header_payload(
                 self.optimizer, self.global_step, self.codebook, self.replica_words
@@ -125,6 +126,7 @@ class PreparedLoad:
                 scope=operation.scope,
                 owner_name=self.optimizer.OWNER_NAME,
             )
+        assemble_pending(self.state, operation)  # after the vote: every rank reaches the gathers
 
     def commit(self) -> None:
         """Publish by assignment only; clears the failed-commit latch."""

@@ -11,9 +11,11 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``PreparedFinalization``, ``run_step`` / ``run_load`` / ``STEP_SIGNATURE`` /
   ``HookedStepState`` (the step and load templates for a composite), ``copy_containers``;
 * state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
-  ``stage_entries``, ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
+  ``stage_entries`` / ``stage_entry``, ``absorb_entry`` (a format 2 entry as format 1) and
+  ``TEMPLATE_FORMAT``, ``PendingEntry`` (an entry a post-vote collective assembles),
+  ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
 * codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``, ``row_period``;
-* FSDP2 resharding: ``row_sharded_mesh``;
+* FSDP2 resharding: ``row_sharded_mesh``, ``every_rank_has_rows``, ``local_rows``;
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
@@ -31,10 +33,11 @@ from __future__ import annotations
 from gefen.core import fused as _fused
 from gefen.core.checkpoint import PreparedLoad
 from gefen.core.contract import api_flags, extras_field, finalized_training, parameter_field
+from gefen.core.deferred import PendingEntry
 from gefen.core.finalization import PreparedFinalization
 from gefen.core.kernels import row_period, select_period
 from gefen.core.learning import CodebookInput, StagedLearning
-from gefen.core.loading import stage_entries
+from gefen.core.loading import stage_entries, stage_entry
 from gefen.core.options import (
     check_flag,
     check_lr,
@@ -44,10 +47,11 @@ from gefen.core.options import (
     lr_value,
 )
 from gefen.core.participant import ShellInterface
-from gefen.core.resharding import row_sharded_mesh
+from gefen.core.resharding import every_rank_has_rows, local_rows, row_sharded_mesh
 from gefen.core.saving import torch_indices
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
+from gefen.core.template import TEMPLATE_FORMAT, absorb_entry
 from gefen.core.transaction import (
     STEP_SIGNATURE,
     HookedStepState,
@@ -67,16 +71,19 @@ from gefen.core.validation import (
 
 __all__ = [
     "STEP_SIGNATURE",
+    "TEMPLATE_FORMAT",
     "CodebookInput",
     "CodecKeys",
     "EntrySpec",
     "HookedStepState",
     "MomentumAdvancer",
     "OptimizerShell",
+    "PendingEntry",
     "PreparedFinalization",
     "PreparedLoad",
     "ShellInterface",
     "StagedLearning",
+    "absorb_entry",
     "allocate_entry",
     "amp_scaling_supported",
     "api_flags",
@@ -86,6 +93,7 @@ __all__ = [
     "check_optimizer_wide",
     "copy_containers",
     "eager_advance_momentum_",
+    "every_rank_has_rows",
     "extras_field",
     "finalized_training",
     "fused_momentum",
@@ -93,6 +101,7 @@ __all__ = [
     "group_uses_codebook",
     "is_dtensor",
     "is_initialized",
+    "local_rows",
     "local_tensor",
     "lr_value",
     "parameter_field",
@@ -104,6 +113,7 @@ __all__ = [
     "run_step",
     "select_period",
     "stage_entries",
+    "stage_entry",
     "torch_indices",
     "validate_gradient_structure",
 ]

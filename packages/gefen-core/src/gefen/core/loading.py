@@ -24,7 +24,7 @@ from gefen.core.validation import local_tensor, parameter_label
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
 
-__all__ = ["EntryFinisher", "stage_entries", "stage_gefen_entries"]
+__all__ = ["EntryFinisher", "stage_entries", "stage_entry", "stage_gefen_entries"]
 
 EntryFinisher = Callable[[EntrySpec, dict[str, Any], str, Any], dict[str, Any]]
 """An optimizer's last step on a validated, copied entry (spec, entry, where, parameter)."""
@@ -40,26 +40,26 @@ def stage_entries(
     other codec is rejected, and the entry is copied (a missing one is the placeholder)."""
     staged: dict[int, dict[str, Any]] = {}
     for group_index, group in enumerate(groups):
-        prefix = "q8" if group_uses_codebook(group) else "fp32"
         for slot, param in enumerate(group["params"]):
             index = len(staged)
             label = parameter_label(group, group_index, slot)
             where = f"{optimizer.OWNER_NAME} checkpoint: entry {label}"
-            staged[index] = _stage_one(
-                optimizer, group, param, saved_state.get(index), where, prefix, finish
+            staged[index] = stage_entry(
+                optimizer, group, param, saved_state.get(index), where, finish
             )
     return staged
 
 
-def _stage_one(
+def stage_entry(
     optimizer: ShellInterface,
     group: Mapping[str, Any],
     param: Any,
     saved: Any,
     where: str,
-    prefix: str,
-    finish: EntryFinisher | None,
+    finish: EntryFinisher | None = None,
 ) -> dict[str, Any]:
+    """One saved entry (or None) checked, copied to its parameter's device, and finished."""
+    prefix = "q8" if group_uses_codebook(group) else "fp32"
     if saved is None:
         return {"period": 0}
     spec = optimizer.entry_spec(group, param)

@@ -5,7 +5,8 @@ matrix, the codebook learned from full gradients, the global step) is a replica:
 the mesh loads the same consolidated file. A stale file on one rank would make the replicas
 diverge silently, so the load vote compares a digest of that state in its own all-reduce
 (``GuardedOperation.local_agreeing``) and one stale file fails every rank with nothing changed.
-Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested.
+Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested; of a DTensor
+(a replica saved as each rank's rows) the digest takes the global layout, not this rank's rows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen.core.validation import is_dtensor
+
 __all__ = ["NO_REPLICA", "replica_words"]
 
 NO_REPLICA = (0, 0)
@@ -24,7 +27,12 @@ NO_REPLICA = (0, 0)
 
 
 def _feed(digest: Any, value: object) -> None:
-    if isinstance(value, Tensor):
+    if is_dtensor(value):
+        # Each rank holds other rows of it: its global layout is what ranks must agree on.
+        held: Any = value
+        layout = (held.dtype, tuple(held.shape), tuple(held.device_mesh.shape), held.placements)
+        digest.update(f"dtensor:{layout}:".encode())
+    elif isinstance(value, Tensor):
         local = value.detach().to("cpu").contiguous()
         digest.update(f"tensor:{local.dtype}:{tuple(local.shape)}:".encode())
         digest.update(local.reshape(-1).view(torch.uint8).numpy())

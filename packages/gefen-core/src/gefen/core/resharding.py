@@ -33,6 +33,8 @@ __all__ = [
     "as_row_dtensors",
     "check_row_periods",
     "dtensor_period",
+    "every_rank_has_rows",
+    "local_rows",
     "row_sharded_mesh",
     "summed_over",
 ]
@@ -47,7 +49,7 @@ def dtensor_period(param: Tensor) -> int | None:
     return math.prod(local_tensor(param).shape[1:]) if param.dim() >= 2 else 1
 
 
-def _every_rank_has_rows(rows: int, world: int) -> bool:
+def every_rank_has_rows(rows: int, world: int) -> bool:
     """Whether ``torch.chunk`` (FSDP2's split) gives each of ``world`` ranks a row."""
     chunk = -(-rows // world)
     return rows > 0 and -(-rows // chunk) == world
@@ -68,15 +70,27 @@ def row_sharded_mesh(params: Iterable[Tensor]) -> DeviceMesh | None:
             return None
         if mesh is not None and mesh_key(own) != mesh_key(mesh):
             return None
-        if not _every_rank_has_rows(int(param.shape[0]), own.size()):
+        if not every_rank_has_rows(int(param.shape[0]), own.size()):
             return None
         mesh = own
     return mesh
 
 
+def local_rows(value: Tensor, param: Tensor) -> Tensor:
+    """This rank's rows (FSDP2's ``torch.chunk`` of dim 0) of a 2-D tensor holding all of a
+    row-sharded ``param``'s rows, as a new tensor; any other tensor as it is."""
+    rows, held = int(param.shape[0]), int(local_tensor(param).shape[0])
+    if value.dim() != 2 or int(value.shape[0]) != rows or held == rows:
+        return value
+    chunk = -(-rows // int(param.device_mesh.size()))  # type: ignore[attr-defined]
+    start = chunk * int(param.device_mesh.get_local_rank())  # type: ignore[attr-defined]
+    return value[start : start + held].clone()
+
+
 def as_row_dtensors(entry: Mapping[str, Any], param: Tensor) -> dict[str, Any]:
     """``entry`` with each per-row tensor (one row per block, blocks inside rows) presented as
-    a DTensor sharded like ``param``: (rows, width) globally, this rank's rows locally."""
+    a DTensor sharded like ``param``: (rows, width) globally, this rank's rows locally (a
+    tensor of all the rows is cut to this rank's first, ``local_rows``)."""
     from torch.distributed.tensor import DTensor
 
     rows = int(param.shape[0])
@@ -85,7 +99,7 @@ def as_row_dtensors(entry: Mapping[str, Any], param: Tensor) -> dict[str, Any]:
         if isinstance(value, Tensor) and value.dim() == 2:
             width = int(value.shape[1])
             presented[key] = DTensor.from_local(
-                value,
+                local_rows(value, param),
                 param.device_mesh,  # type: ignore[attr-defined]
                 param.placements,  # type: ignore[attr-defined]
                 run_check=False,

@@ -95,7 +95,8 @@ def build_state_dict(
     if optimizer.TEMPLATE_COMPLETE:  # format 2: every entry complete (gefen.core.template)
         for position, group, param in optimizer.indexed_params():
             entry = present_entry(optimizer, group, param, entries[position])
-            state[flat[position]] = as_row_dtensors(entry, param) if row_sharded else entry
+            rows = row_sharded or optimizer.presents_rows(group, param)
+            state[flat[position]] = as_row_dtensors(entry, param) if rows else entry
     # torch types the state by Tensor keys; user code may add others (torch keeps them too).
     everything = cast(Mapping[object, Any], optimizer.state)
     for key, value in everything.items():

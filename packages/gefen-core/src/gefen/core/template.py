@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
 from gefen.core.state import CODEBOOK_SIZE, EntrySpec, allocate_entry, is_initialized
-from gefen.core.validation import local_tensor, parameter_label
+from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
@@ -60,6 +60,17 @@ class TemplateLayout:
 
     def row_sharded(self) -> bool:
         """Whether the state is row-sharded and saved as DTensors (gefen.core.resharding)."""
+        return False
+
+    def presents_rows(self, group: Mapping[str, Any], param: Tensor) -> bool:
+        """Whether ``state_dict()`` presents this parameter's full state as this rank's rows,
+        DTensors like FSDP2's ``Shard(0)`` (GefenMuon's distributed matrices), though the
+        optimizer is not row-sharded."""
+        return False
+
+    def assembles_rows(self, group: Mapping[str, Any], param: Tensor) -> bool:
+        """Whether a loaded entry's DTensors are gathered to the full state after the load vote
+        (gefen.core.deferred) rather than read as this rank's own rows."""
         return False
 
 
@@ -178,6 +189,10 @@ def absorb_entry(
     format 2 entry is returned unchanged for the validator to name."""
     if not isinstance(entry, Mapping) or "step" not in entry:
         return entry
+    pristine = type(entry["step"]) is int and entry["step"] == 0
+    rows_of_full = optimizer.assembles_rows(group, param) and any(map(is_dtensor, entry.values()))
+    if rows_of_full and not pristine:
+        return entry  # rows of full state: the optimizer assembles them after the vote
     # A row-sharded save's DTensors, resharded by DCP to this rank's rows: their local part.
     entry = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in entry.items()}
     spec = optimizer.entry_spec(group, param)

@@ -352,24 +352,26 @@ def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
     return old
 
 
+def gathered(value: Any) -> Any:
+    """``value`` with every DTensor gathered by ``full_tensor()`` (collective: every rank calls
+    it, as DCP's ``full_state_dict`` does) and every plain tensor copied, through dicts and
+    lists, so it keeps the values of this moment while the live state moves on."""
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor()
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: gathered(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [gathered(item) for item in value]
+    return value
+
+
 def gathered_optimizer_state(model: Any, optimizer: Any) -> Any:
-    """``get_optimizer_state_dict(model, optimizer)`` with every DTensor gathered by
-    ``full_tensor()`` (collective: every rank calls it) and every plain tensor copied, so it
-    keeps the values of this moment while the live state moves on."""
+    """``get_optimizer_state_dict(model, optimizer)``, ``gathered``."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    def full(value: Any) -> Any:
-        if hasattr(value, "full_tensor"):
-            return value.full_tensor()
-        if isinstance(value, Tensor):
-            return value.detach().clone()
-        if isinstance(value, dict):
-            return {key: full(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [full(item) for item in value]
-        return value
-
-    return full(get_optimizer_state_dict(model, optimizer))
+    return gathered(get_optimizer_state_dict(model, optimizer))
 
 
 def nested_equal(a: Any, b: Any) -> bool:

@@ -1,22 +1,32 @@
 """GefenMuon's part of the checkpoint transaction (docs/muon.md §8).
 
-Saving consolidates the entries of ``"distributed"`` parameters from their owners (a
-collective) and records the ``"muon_distributed"`` manifest. Loading validates the manifest and
-every entry fail-closed, then keeps on each rank only the entries it owns under the live world
-size, so a save at one world size resumes at any other and in a single process.
+Saving brings the entries of ``"distributed"`` parameters from their owners (a collective),
+keeping this rank's rows of each matrix saved as rows (``gefen.muon.rows``), and records the
+``"muon_distributed"`` manifest. Loading validates the manifest and every entry fail-closed
+(rows gathered after the vote), then keeps on each rank only the entries it owns under the live
+world size, so a save at one world size resumes at any other (through DCP, or as a full state
+dict in one file) and in a single process.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from gefen.core.extension import is_initialized, parameter_label, stage_entries
+from gefen.core.extension import (
+    TEMPLATE_FORMAT,
+    is_dtensor,
+    is_initialized,
+    parameter_label,
+    stage_entries,
+)
 from gefen.dist import BindingError, CheckpointProcessGroupBinding, broadcast_owner_state
 from gefen.muon.kernels import stable_owner
 from gefen.muon.modes import APPROX, DistributedSlot, distributed_slots
+from gefen.muon.rows import PendingRows, assembles_rows, owned_rows, rows_layout_error
 
 if TYPE_CHECKING:
     from gefen.core.extension import ShellInterface
@@ -83,7 +93,8 @@ def check_checkpoint_binding(optimizer: ShellInterface, binding: object) -> None
 
 
 def consolidated_entries(optimizer: ShellInterface) -> dict[int, dict[str, Any]]:
-    """Every entry by flat index; a distributed parameter's is its owner's, on every rank.
+    """Every entry by flat index; a distributed parameter's is its owner's, on every rank (only
+    this rank's rows of it where it presents rows, cut as each arrives).
 
     Collective whenever eligible distributed groups exist: every rank must call it.
     """
@@ -92,9 +103,12 @@ def consolidated_entries(optimizer: ShellInterface) -> dict[int, dict[str, Any]]
     for slots in distributed_slots(indexed):
         for slot in slots:
             own = dict(optimizer.state[slot.param]) if slot.is_owner() else None
-            entries[slot.index] = broadcast_owner_state(
+            entry = broadcast_owner_state(
                 own, owner=slot.owner, channel=slot.channel, owner_name=optimizer.OWNER_NAME
             )
+            if optimizer.presents_rows(slot.group, slot.param):  # one matrix in full at a time
+                entry = owned_rows(entry, slot.param)
+            entries[slot.index] = entry
     return entries
 
 
@@ -275,12 +289,48 @@ def stage_muon_entries(
     groups: list[dict[str, Any]],
     extras: Mapping[str, Any],
 ) -> dict[int, dict[str, Any]]:
-    """Shadow entries by flat position, validated; non-owned distributed entries dropped."""
+    """Shadow entries by flat position, validated; non-owned distributed entries dropped; full
+    state saved as DTensor rows staged as ``PendingRows`` (gefen.muon.rows)."""
     _structural_modes(optimizer, groups)
     _ManifestCheck(optimizer, saved_state, groups).check(extras)
-    staged = stage_entries(optimizer, saved_state, groups, _normuon_pair)
+    pending = _pending_rows(optimizer, saved_state, groups, extras)
+    staged = stage_entries(optimizer, {**saved_state, **pending}, groups, _normuon_pair)
+    staged.update(pending)
     for slots in distributed_slots(_indexed(groups)):
         for slot in slots:
-            if not slot.is_owner():
+            if not slot.is_owner() and slot.index not in pending:
                 staged[slot.index] = {"period": staged[slot.index].get("period", 0)}
     return staged
+
+
+def _pending_rows(
+    optimizer: ShellInterface,
+    saved_state: Mapping[int, Any],
+    groups: list[dict[str, Any]],
+    extras: Mapping[str, Any],
+) -> dict[int, PendingRows]:
+    """The saved entries of full state held as DTensor rows, their layout checked."""
+    owners = {slot.index: slot for slots in distributed_slots(_indexed(groups)) for slot in slots}
+    names = _names(groups)
+    listed = Counter(id(param) for _, _, param in _indexed(groups))
+    pending: dict[int, PendingRows] = {}
+    for index, group, param in _indexed(groups):
+        entry = saved_state.get(index)
+        if not isinstance(entry, Mapping) or not assembles_rows(group, param):
+            continue
+        if not any(is_dtensor(value) for value in entry.values()):
+            continue
+        where = f"{optimizer.OWNER_NAME} checkpoint: entry {names[index]}"
+        error = rows_layout_error(entry, param, where)
+        if error is not None:
+            raise error
+        pending[index] = PendingRows(
+            optimizer,
+            entry,
+            place=(group, param, where),
+            keep=index not in owners or owners[index].is_owner(),
+            format2=extras.get("format_version") == TEMPLATE_FORMAT,
+            step_limit=extras["global_step"] * listed[id(param)],
+            finisher=_normuon_pair,
+        )
+    return pending

@@ -29,7 +29,6 @@ from gefen.core.extension import (
     is_initialized,
     local_tensor,
     row_period,
-    row_sharded_mesh,
     run_step,
 )
 from gefen.dist import GuardedOperation, cuda_graph_capturing
@@ -54,6 +53,7 @@ from gefen.muon.options import (
 )
 from gefen.muon.plan import OwnerBucket, PlannedMatrix, group_hyper
 from gefen.muon.preflight import check_presence_and_order, uncovered_presence
+from gefen.muon.rows import approx_row_sharded, assembles_rows, presents_rows
 from gefen.muon.update import (
     MuonHyper,
     apply_update_,
@@ -434,21 +434,16 @@ class GefenMuon(OptimizerShell):
         return own or super().replicated_positions(groups)
 
     def row_sharded(self) -> bool:
-        """approx state DCP reshards (docs/muon.md §8, docs/core.md §9.1): every group approx,
-        every matrix row-sharded over one mesh, no explicit scope, and one block per row
-        (codebook8 matrices of 8 or more columns). Decided from shapes and options alone."""
-        indexed = self.indexed_params()
-        if self.finalized is not None or any(
-            group["sharded_mode"] != APPROX for group in self.param_groups
-        ):
-            return False
-        if row_sharded_mesh(param for _, _, param in indexed) is None:
-            return False
-        return all(
-            self.template_period(group, param)
-            == (quantized_shape(group, param)[1] if group_uses_codebook(group) else 1)
-            for _, group, param in indexed
-        )
+        """approx state DCP reshards (docs/muon.md §8, docs/core.md §9.1; gefen.muon.rows)."""
+        return approx_row_sharded(self)
+
+    def presents_rows(self, group: Mapping[str, Any], param: Tensor) -> bool:
+        """A distributed matrix's state is saved as each rank's rows (gefen.muon.rows)."""
+        return presents_rows(self, group, param)
+
+    def assembles_rows(self, group: Mapping[str, Any], param: Tensor) -> bool:
+        """Exact and distributed state saved as rows is gathered at load (gefen.muon.rows)."""
+        return assembles_rows(group, param)
 
     def rank_local_checkpoint(self) -> bool:
         approx = any(group["sharded_mode"] == APPROX for group in self.param_groups)
