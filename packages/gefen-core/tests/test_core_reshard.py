@@ -22,15 +22,17 @@ pytestmark = [pytest.mark.multirank, gloo_required()]
 
 # Rows 24 and 10 split unevenly at worlds 3 and 4 (torch.chunk: 4, 4, 2 and 3, 3, 3, 1).
 WIDTHS = (8, 24, 10)
+# Three rows at world 4 (torch.chunk: 1, 1, 1, 0): rank 3 holds no row of the first layer.
+NARROW = (8, 3, 16)
 
 
-def _model(world: int) -> Any:
+def _model(world: int, widths: tuple[int, ...] = WIDTHS) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    first, last = torch.nn.Linear(*WIDTHS[:2]), torch.nn.Linear(*WIDTHS[1:])
-    model = torch.nn.Sequential(first, torch.nn.Tanh(), last, torch.nn.LayerNorm(WIDTHS[2]))
+    first, last = torch.nn.Linear(*widths[:2]), torch.nn.Linear(*widths[1:])
+    model = torch.nn.Sequential(first, torch.nn.Tanh(), last, torch.nn.LayerNorm(widths[2]))
     mesh = init_device_mesh("cpu", (world,))
     for module in (first, last, model):
         fully_shard(module, mesh=mesh)
@@ -39,7 +41,8 @@ def _model(world: int) -> Any:
 
 def _train(model: Any, optimizer: Any, rank: int, seeds: range) -> None:
     for seed in seeds:
-        x = torch.randn(4, WIDTHS[0], generator=torch.Generator().manual_seed(100 * seed + rank))
+        generator = torch.Generator().manual_seed(100 * seed + rank)
+        x = torch.randn(4, model[0].in_features, generator=generator)
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
@@ -50,7 +53,9 @@ def _full_params(model: Any) -> list[torch.Tensor]:
     return [param.full_tensor().detach().clone() for param in model.parameters()]
 
 
-def scenario_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+def scenario_save(
+    rank: int, world_size: int, folder: str, widths: tuple[int, ...] = WIDTHS
+) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -59,7 +64,7 @@ def scenario_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     from gefen.core import Gefen
 
-    model = _model(world_size)
+    model = _model(world_size, widths)
     optimizer = Gefen(model.parameters(), lr=0.01)
     _train(model, optimizer, rank, range(3))
     expected = gathered_optimizer_state(model, optimizer)
@@ -76,7 +81,9 @@ def scenario_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     }
 
 
-def scenario_resume(rank: int, world_size: int, folder: str, saved_world: int) -> dict[str, Any]:
+def scenario_resume(
+    rank: int, world_size: int, folder: str, saved_world: int, widths: tuple[int, ...] = WIDTHS
+) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -87,7 +94,7 @@ def scenario_resume(rank: int, world_size: int, folder: str, saved_world: int) -
 
     from gefen.core import Gefen
 
-    model = _model(world_size)
+    model = _model(world_size, widths)
     optimizer = Gefen(model.parameters(), lr=0.01)
     template = get_optimizer_state_dict(model, optimizer)
     state = {"model": get_model_state_dict(model), "optim": template}
@@ -115,14 +122,16 @@ def scenario_resume(rank: int, world_size: int, folder: str, saved_world: int) -
     }
 
 
-def _resumes(folder: Path, saved_world: int, worlds: tuple[int, ...]) -> dict[int, Any]:
+def _resumes(
+    folder: Path, saved_world: int, worlds: tuple[int, ...], widths: tuple[int, ...] = WIDTHS
+) -> dict[int, Any]:
     saved = run_scenarios(
-        [("save", scenario_save, (str(folder),))], saved_world, rank_deadline_s=300.0
+        [("save", scenario_save, (str(folder), widths))], saved_world, rank_deadline_s=300.0
     )
     outcomes = {0: saved["save"]}
     for world in worlds:
         resumed = run_scenarios(
-            [("resume", scenario_resume, (str(folder), saved_world))],
+            [("resume", scenario_resume, (str(folder), saved_world, widths))],
             world,
             rank_deadline_s=300.0,
         )
@@ -163,6 +172,87 @@ def test_a_world_four_checkpoint_resumes_at_two(from_four: dict[int, Any]) -> No
         assert result["extras_equal"]
         assert result["step"] == 3
         assert result["trained"]
+
+
+@pytest.fixture(scope="module")
+def narrow_from_four(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    return _resumes(tmp_path_factory.mktemp("narrow4"), 4, (2, 3, 4), NARROW)
+
+
+@pytest.fixture(scope="module")
+def narrow_from_two(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    return _resumes(tmp_path_factory.mktemp("narrow2"), 2, (4,), NARROW)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_rank_without_rows_still_reshards_from_four_to(
+    world: int, narrow_from_four: dict[int, Any]
+) -> None:
+    """Rank 3 of 4 holds no row of a (3, 8) layer: the optimizer stays row-sharded, that rank
+    learns the layer's counters at save, and the file resumes at 2, 3 and 4 (bit for bit)."""
+    for result in narrow_from_four[0]:
+        assert result["row_sharded"]
+    assert narrow_from_four[0][3]["periods"] == [0, 1, 3]  # no state for the layer it lacks
+    for result in narrow_from_four[world]:
+        assert result["state_equal"]
+        assert result["extras_equal"]
+        assert result["step"] == 3
+        assert result["trained"]
+        assert result["bitwise"] == (world == 4)
+
+
+def test_a_world_two_file_resumes_where_a_rank_holds_no_row(
+    narrow_from_two: dict[int, Any],
+) -> None:
+    for result in narrow_from_two[4]:
+        assert result["state_equal"]
+        assert result["extras_equal"]
+        assert result["step"] == 3
+        assert result["trained"]
+
+
+def scenario_values_without_rows(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 3 holds no row of the (3, 8) layer: a state dict whose rows there are not empty
+    (made by hand) is refused on every rank, nothing changed, and the optimizer trains."""
+    from torch.distributed.tensor import DTensor
+
+    from gefen.core import Gefen
+    from gefen.core.testing import SNAPSHOT_ATTRIBUTES, attempt
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    model = _model(world_size, NARROW)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    sd = optimizer.state_dict()
+    codes = sd["state"][0]["momentum_codes"]
+    local = codes.to_local() if rank != 3 else torch.ones(1, 8, dtype=torch.uint8)
+    sd["state"][0]["momentum_codes"] = DTensor.from_local(
+        local, codes.device_mesh, codes.placements, run_check=False, shape=codes.shape,
+        stride=codes.stride(),
+    )  # fmt: skip
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    outcome = attempt(lambda: optimizer.load_state_dict(sd), value=False)
+    changes = snapshot_diff(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    _train(model, optimizer, rank, range(2, 3))
+    return {"outcome": outcome, "changes": changes, "step": optimizer.global_step}
+
+
+def test_values_on_a_rank_without_rows_fail_closed_on_every_rank() -> None:
+    world = run_scenarios([("values", scenario_values_without_rows, ())], 4, rank_deadline_s=300.0)
+    for rank, result in enumerate(world["values"]):
+        assert result["changes"] == []
+        assert result["step"] == 3
+        error = result["outcome"]["error"]
+        if rank == 3:
+            assert error == (
+                "DistributedStepError: Gefen load validation failed on local rank 3: Gefen "
+                "checkpoint: entry param_groups[0][0]: 'momentum_codes' holds values on a rank "
+                "without rows"
+            )
+        else:
+            assert error == (
+                "DistributedStepError: Gefen load validation failed on another process-group member"
+            )
 
 
 MISFIT_FILES = [

@@ -27,7 +27,7 @@ from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
 from gefen.core.template import TEMPLATE_FORMAT, absorb_codebook, absorb_state
 from gefen.core.transaction import copy_containers
-from gefen.core.validation import parameter_label
+from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 from gefen.dist import (
     BindingError,
     CheckpointProcessGroupBinding,
@@ -389,10 +389,11 @@ def _saved_entries(
     for position in extras["initialized_params"]:
         if not 0 <= position < len(flat):
             raise loader.reject(f"initialized_params lists position {position} out of range")
-        entry = saved.get(position)
+        entry, (_, _, param) = saved.get(position), indexed[position]
         if entry is not None and (not isinstance(entry, Mapping) or "step" in entry):
             continue  # initialized, or malformed and left to the entry validator
-        _, _, param = indexed[position]
+        if entry is not None and is_dtensor(param) and local_tensor(param).numel() == 0:
+            continue  # this rank holds no row of it, so no state (docs/core.md §9.1)
         if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
             raise loader.reject(
                 f"initialized_params lists position {position} but its entry is not initialized"

@@ -226,7 +226,8 @@ class Gefen(OptimizerShell):
         options alone, so alike on every rank (a load refuses other periods)."""
         if self.finalized is not None or any(g["force_2d_period_one"] for g in self.param_groups):
             return False
-        return row_sharded_mesh(param for _, _, param in self.indexed_params()) is not None
+        params = (param for _, _, param in self.indexed_params())
+        return row_sharded_mesh(params, rows_everywhere=False) is not None
 
     # -- kernels (§11) ----------------------------------------------------------------------
 

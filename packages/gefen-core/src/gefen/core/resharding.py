@@ -4,12 +4,13 @@ FSDP2 shards every parameter by rows (``Shard(0)``) over one mesh. Gefen's DTens
 each block inside one row (one block per row, period 1 for a vector; rows under 8 elements give
 blocks under 8, which costs bytes on a rare shape, never correctness), so a rank's codes, scales
 and second moments belong to exactly its own rows. When every parameter is sharded that way over
-one mesh of two or more ranks, and every rank holds at least one row of each, the optimizer is
-*row-sharded*: it learns one codebook from the histogram summed over the mesh, its counters are
-equal on every rank, and ``state_dict()`` presents the per-row tensors as DTensors with the
-parameter's placement. ``get_optimizer_state_dict``, ``dcp.save``, ``dcp.load`` and
-``set_optimizer_state_dict`` then reshard them with no code of ours in between. Anything else
-keeps the rank-local state of docs/dist.md §10.3.
+one mesh of two or more ranks, the optimizer is *row-sharded*: it learns one codebook from the
+histogram summed over the mesh, its counters are equal on every rank that holds rows (a rank
+without rows of a parameter learns that entry's counters at save, ``agree_counters``), and
+``state_dict()`` presents the per-row tensors as DTensors with the parameter's placement.
+``get_optimizer_state_dict``, ``dcp.save``, ``dcp.load`` and ``set_optimizer_state_dict`` then
+reshard them with no code of ours in between. Anything else keeps the rank-local state of
+docs/dist.md §10.3.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
 
 __all__ = [
+    "COUNTERS",
+    "agree_counters",
     "as_row_dtensors",
     "check_row_periods",
     "dtensor_period",
@@ -55,9 +58,12 @@ def every_rank_has_rows(rows: int, world: int) -> bool:
     return rows > 0 and -(-rows // chunk) == world
 
 
-def row_sharded_mesh(params: Iterable[Tensor]) -> DeviceMesh | None:
-    """The one mesh every parameter is row-sharded over (each rank holding rows of each), or
-    None. Computed from shapes and placements alone, so every rank decides alike."""
+def row_sharded_mesh(
+    params: Iterable[Tensor], *, rows_everywhere: bool = True
+) -> DeviceMesh | None:
+    """The one mesh every parameter (with rows) is row-sharded over, or None; with
+    ``rows_everywhere`` every rank must also hold rows of each. Computed from shapes and
+    placements alone, so every rank decides alike."""
     from torch.distributed.tensor import Shard
 
     mesh: DeviceMesh | None = None
@@ -70,7 +76,8 @@ def row_sharded_mesh(params: Iterable[Tensor]) -> DeviceMesh | None:
             return None
         if mesh is not None and mesh_key(own) != mesh_key(mesh):
             return None
-        if not every_rank_has_rows(int(param.shape[0]), own.size()):
+        rows = int(param.shape[0])
+        if rows == 0 or (rows_everywhere and not every_rank_has_rows(rows, own.size())):
             return None
         mesh = own
     return mesh
@@ -109,6 +116,37 @@ def as_row_dtensors(entry: Mapping[str, Any], param: Tensor) -> dict[str, Any]:
         else:
             presented[key] = value
     return presented
+
+
+COUNTERS = ("period", "step", "v_step")
+"""The ints of an entry that a rank without rows cannot know (it never updates the entry)."""
+
+
+def agree_counters(
+    presented: Mapping[int, dict[str, Any]], params: Sequence[Tensor], scope: Sequence[Channel]
+) -> None:
+    """In place: the counters of each entry whose parameter leaves some rank without rows
+    become the largest over the mesh, which every rank with rows holds (they update alike), so
+    the ints DCP saves once do not depend on which rank wrote them. One MAX all-reduce over the
+    one channel of a row-sharded optimizer's scope; none where every rank has rows of all."""
+    import torch.distributed as dist
+
+    (channel,) = scope
+    world = dist.get_world_size(channel.process_group)
+    targets = [
+        entry
+        for position, entry in sorted(presented.items())
+        if not every_rank_has_rows(int(params[position].shape[0]), world)
+    ]
+    if not targets:
+        return
+    rows = [[int(entry.get(key, -1)) for key in COUNTERS] for entry in targets]
+    words = torch.tensor(rows, dtype=torch.int64, device=channel.device)
+    dist.all_reduce(words, op=dist.ReduceOp.MAX, group=channel.process_group)
+    for entry, agreed in zip(targets, words.tolist(), strict=True):
+        entry.update(
+            {key: value for key, value in zip(COUNTERS, agreed, strict=True) if value >= 0}
+        )
 
 
 def summed_over(counts: Tensor, scope: Sequence[Channel]) -> Tensor:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
-from gefen.core.resharding import as_row_dtensors
+from gefen.core.resharding import agree_counters, as_row_dtensors
 from gefen.core.state import is_initialized
 from gefen.core.template import TEMPLATE_FORMAT, present_codebook, present_entry
 from gefen.dist import rank_local_header
@@ -92,9 +92,17 @@ def build_state_dict(
     flat = [index for group in indices for index in group]
     state: dict[Any, Any] = {flat[position]: entry for position, entry in entries.items()}
     row_sharded = optimizer.row_sharded()
+    agreed: dict[str, Any] = {}
     if optimizer.TEMPLATE_COMPLETE:  # format 2: every entry complete (gefen.core.template)
-        for position, group, param in optimizer.indexed_params():
-            entry = present_entry(optimizer, group, param, entries[position])
+        indexed = optimizer.indexed_params()
+        presented = {i: present_entry(optimizer, g, p, entries[i]) for i, g, p in indexed}
+        if row_sharded:  # a rank without rows of a parameter learns its counters (§9.1)
+            params = [param for _, _, param in indexed]
+            agree_counters(presented, params, optimizer.step_failure_scope())
+            # so the extras DCP keeps once are every rank's: initialized = stepped on the mesh
+            agreed["initialized_params"] = [i for i, e in presented.items() if e["step"] > 0]
+        for position, group, param in indexed:
+            entry = presented[position]
             rows = row_sharded or optimizer.presents_rows(group, param)
             state[flat[position]] = as_row_dtensors(entry, param) if rows else entry
     # torch types the state by Tensor keys; user code may add others (torch keeps them too).
@@ -114,11 +122,12 @@ def build_state_dict(
     for group, group_indices in zip(optimizer.param_groups, indices, strict=True):
         packed = {key: value for key, value in group.items() if key != "params"}
         packed["params"] = group_indices
-        packed[EXTRAS_KEY] = _extras_copy(optimizer, entries)
+        packed[EXTRAS_KEY] = {**_extras_copy(optimizer, entries), **copy.deepcopy(agreed)}
         if row_sharded:  # DCP keeps only these copies: a rank-independent file (§9.1)
             packed[EXTRAS_KEY].pop("rank_local", None)
         groups.append(packed)
-    return {"state": state, "param_groups": groups, EXTRAS_KEY: _extras_copy(optimizer, entries)}
+    top = {**_extras_copy(optimizer, entries), **agreed}
+    return {"state": state, "param_groups": groups, EXTRAS_KEY: top}
 
 
 def torch_indices(param_groups: list[dict[str, Any]]) -> list[list[int]]:

@@ -177,6 +177,17 @@ def _slot(entry: Mapping[str, Any], key: str, numel: int, where: str) -> Tensor:
     return value
 
 
+def _no_rows_here(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A rank holding no row of a row-sharded parameter keeps no state for it (docs/core.md
+    §9.1): its rows of the saved DTensors must be empty, its counters still well formed."""
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and value.numel() > 0:
+            raise ValueError(f"{where}: '{key}' holds values on a rank without rows")
+        if key in ("period", "step", "v_step") and (type(value) is not int or value < 0):
+            raise ValueError(f"{where}: '{key}' must be an int >= 0, got {value!r}")
+    return {"period": 0}
+
+
 def absorb_entry(
     optimizer: ShellInterface,
     group: Mapping[str, Any],
@@ -190,11 +201,13 @@ def absorb_entry(
     if not isinstance(entry, Mapping) or "step" not in entry:
         return entry
     pristine = type(entry["step"]) is int and entry["step"] == 0
-    rows_of_full = optimizer.assembles_rows(group, param) and any(map(is_dtensor, entry.values()))
-    if rows_of_full and not pristine:
+    as_rows = any(map(is_dtensor, entry.values()))
+    if as_rows and not pristine and optimizer.assembles_rows(group, param):
         return entry  # rows of full state: the optimizer assembles them after the vote
     # A row-sharded save's DTensors, resharded by DCP to this rank's rows: their local part.
     entry = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in entry.items()}
+    if as_rows and local_tensor(param).numel() == 0:
+        return _no_rows_here(entry, where)
     spec = optimizer.entry_spec(group, param)
     if type(entry["step"]) is int and entry["step"] == 0:
         _reject_unless_zero(entry, spec, where)
