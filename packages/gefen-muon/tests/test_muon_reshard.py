@@ -23,16 +23,24 @@ pytestmark = [pytest.mark.multirank, gloo_required()]
 
 SHAPES = [(8, 12), (12, 16), (16, 8)]
 MODES = ("exact", "distributed", "approx")
+# (3, 16) at world 4 splits 1, 1, 1, 0: rank 3 holds no row of it.
+NARROW = [(8, 12), (3, 16), (16, 8)]
+NARROW_MODES = ("distributed_narrow", "approx_narrow")
+
+
+def _shapes(mode: str) -> list[tuple[int, int]]:
+    return NARROW if mode.endswith("_narrow") else SHAPES
 
 
 def _build(world: int, mode: str) -> tuple[Any, Any]:
-    model = mt.sharded(mt.mesh_1d(world), mt.fulls(SHAPES, 0))
-    return model, mt.sharded_muon(model, sharded_mode=mode)
+    model = mt.sharded(mt.mesh_1d(world), mt.fulls(_shapes(mode), 0))
+    return model, mt.sharded_muon(model, sharded_mode=mode.removesuffix("_narrow"))
 
 
 def _train(model: Any, optimizer: Any, steps: range) -> None:
+    shapes = [tuple(param.shape) for param in model.parameters()]
     for step in steps:
-        mt.assign_sharded(model, mt.grads(SHAPES, 7, step))
+        mt.assign_sharded(model, mt.grads(shapes, 7, step))
         optimizer.step()
 
 
@@ -59,7 +67,7 @@ def scenario_save(rank: int, world_size: int, folder: str, mode: str) -> dict[st
     continued = mt.full_params(model)
     if rank == 0:
         torch.save({"expected": expected, "continued": continued}, Path(folder) / f"{mode}.pt")
-    return {"step": optimizer.global_step}
+    return {"step": optimizer.global_step, "row_sharded": optimizer.row_sharded()}
 
 
 def scenario_resume(
@@ -90,12 +98,14 @@ def scenario_resume(
     }
 
 
-def _resumes(folder: Path, saved_world: int, worlds: tuple[int, ...]) -> dict[Any, Any]:
+def _resumes(
+    folder: Path, saved_world: int, worlds: tuple[int, ...], modes: tuple[str, ...] = MODES
+) -> dict[Any, Any]:
     outcomes: dict[Any, Any] = {}
-    saves = [(mode, scenario_save, (str(folder), mode)) for mode in MODES]
+    saves = [(mode, scenario_save, (str(folder), mode)) for mode in modes]
     outcomes["save"] = run_scenarios(saves, saved_world, rank_deadline_s=300.0)
     for world in worlds:
-        resumes = [(mode, scenario_resume, (str(folder), mode, saved_world)) for mode in MODES]
+        resumes = [(mode, scenario_resume, (str(folder), mode, saved_world)) for mode in modes]
         outcomes[world] = run_scenarios(resumes, world, rank_deadline_s=300.0)
     return outcomes
 
@@ -128,6 +138,27 @@ def test_a_world_four_checkpoint_resumes_at_two(mode: str, from_four: Any) -> No
         assert result["state_equal"]
         assert result["step"] == 3
         assert result["trained"]
+
+
+@pytest.fixture(scope="module")
+def narrow_from_four(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    return _resumes(tmp_path_factory.mktemp("muon_narrow4"), 4, (2, 3, 4), NARROW_MODES)
+
+
+@pytest.mark.parametrize("mode", NARROW_MODES)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_rank_without_rows_still_reshards_from_four_to(
+    world: int, mode: str, narrow_from_four: Any
+) -> None:
+    """Rank 3 of 4 holds no row of a (3, 16) matrix: approx stays row-sharded (that rank
+    learns the matrix's counters at save) and distributed saves that matrix whole."""
+    assert [r["row_sharded"] for r in narrow_from_four["save"]["approx_narrow"]] == [True] * 4
+    for result in narrow_from_four[world][mode]:
+        assert result["state_equal"]
+        assert result["step"] == 3
+        assert result["trained"]
+        if world == 4:
+            assert result["bitwise"]
 
 
 def scenario_mode_misfit(rank: int, world_size: int, folder: str) -> dict[str, Any]:

@@ -118,7 +118,7 @@ def as_row_dtensors(entry: Mapping[str, Any], param: Tensor) -> dict[str, Any]:
     return presented
 
 
-COUNTERS = ("period", "step", "v_step")
+COUNTERS = ("period", "step", "v_step", "normuon_step")
 """The ints of an entry that a rank without rows cannot know (it never updates the entry)."""
 
 

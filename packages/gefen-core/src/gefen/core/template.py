@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
+from gefen.core.resharding import COUNTERS
 from gefen.core.state import CODEBOOK_SIZE, EntrySpec, allocate_entry, is_initialized
 from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 
@@ -183,7 +184,7 @@ def _no_rows_here(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key, value in entry.items():
         if isinstance(value, Tensor) and value.numel() > 0:
             raise ValueError(f"{where}: '{key}' holds values on a rank without rows")
-        if key in ("period", "step", "v_step") and (type(value) is not int or value < 0):
+        if key in COUNTERS and (type(value) is not int or value < 0):
             raise ValueError(f"{where}: '{key}' must be an int >= 0, got {value!r}")
     return {"period": 0}
 

@@ -26,6 +26,7 @@ from gefen.core.extension import (
     check_optimizer_wide,
     eager_advance_momentum_,
     group_uses_codebook,
+    is_dtensor,
     is_initialized,
     local_tensor,
     row_period,
@@ -200,10 +201,12 @@ class GefenMuon(OptimizerShell):
 
     def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
         """1 for codec "none" (the matrix as is); else one block per row of the momentum
-        matrix where rows hold at least 8 elements (docs/core.md §4.1), else None (searched)."""
+        matrix where rows hold at least 8 elements (docs/core.md §4.1), else None (searched).
+        A rank without rows of an approx matrix names the same row width as the others."""
         if not group_uses_codebook(group):
             return 1
-        return row_period(quantized_shape(group, param))
+        rows, cols = quantized_shape(group, param)
+        return row_period((max(rows, 1) if is_dtensor(param) else rows, cols))
 
     def template_keys(self, group: Mapping[str, Any], param: Tensor) -> tuple[str, ...]:
         """A NorMuon group's entries create the NorMuon pair at their first update."""

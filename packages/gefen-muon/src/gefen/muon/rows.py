@@ -64,14 +64,15 @@ def presents_rows(optimizer: ShellInterface, group: Mapping[str, Any], param: Te
 
 def approx_row_sharded(optimizer: ShellInterface) -> bool:
     """approx state DCP reshards as Gefen's (docs/core.md §9.1): every group approx, every
-    matrix row-sharded over one mesh, no explicit scope, and one block per row (codebook8
-    matrices of 8 or more columns). Decided from shapes and options alone."""
+    matrix row-sharded over one mesh (a rank may hold no row of one), no explicit scope, and one
+    block per row (codebook8 matrices of 8 or more columns). Decided from shapes and options
+    alone."""
     indexed = optimizer.indexed_params()
     if optimizer.finalized is not None or any(
         group["sharded_mode"] != APPROX for group in optimizer.param_groups
     ):
         return False
-    if row_sharded_mesh(param for _, _, param in indexed) is None:
+    if row_sharded_mesh((param for _, _, param in indexed), rows_everywhere=False) is None:
         return False
     return all(
         optimizer.template_period(group, param)
