@@ -26,6 +26,7 @@ CASES = [
     ("gefen", "distributed"),
     ("adamw", "exact"),
     ("adamw", "approx"),
+    ("adamw", "distributed"),
 ]
 
 
