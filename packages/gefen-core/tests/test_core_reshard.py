@@ -26,14 +26,17 @@ WIDTHS = (8, 24, 10)
 NARROW = (8, 3, 16)
 
 
-def _model(world: int, widths: tuple[int, ...] = WIDTHS) -> Any:
+def _model(world: int, widths: tuple[int, ...] = WIDTHS, layout: str = "fsdp") -> Any:
+    """``layout`` "fsdp": one mesh of ``world``; "hsdp": (2, world / 2), replicated over the
+    first dimension and row-sharded over the second."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     first, last = torch.nn.Linear(*widths[:2]), torch.nn.Linear(*widths[1:])
     model = torch.nn.Sequential(first, torch.nn.Tanh(), last, torch.nn.LayerNorm(widths[2]))
-    mesh = init_device_mesh("cpu", (world,))
+    shape = (world,) if layout == "fsdp" else (2, world // 2)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     for module in (first, last, model):
         fully_shard(module, mesh=mesh)
     return model
@@ -54,7 +57,7 @@ def _full_params(model: Any) -> list[torch.Tensor]:
 
 
 def scenario_save(
-    rank: int, world_size: int, folder: str, widths: tuple[int, ...] = WIDTHS
+    rank: int, world_size: int, folder: str, widths: tuple[int, ...] = WIDTHS, layout: str = "fsdp"
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -64,7 +67,7 @@ def scenario_save(
 
     from gefen.core import Gefen
 
-    model = _model(world_size, widths)
+    model = _model(world_size, widths, layout)
     optimizer = Gefen(model.parameters(), lr=0.01)
     _train(model, optimizer, rank, range(3))
     expected = gathered_optimizer_state(model, optimizer)
@@ -74,7 +77,8 @@ def scenario_save(
     _train(model, optimizer, rank, range(3, 5))
     continued = _full_params(model)
     if rank == 0:
-        torch.save({"expected": expected, "continued": continued}, Path(folder) / "saved.pt")
+        saved = {"expected": expected, "continued": continued, "layout": layout}
+        torch.save(saved, Path(folder) / "saved.pt")
     return {
         "row_sharded": optimizer.row_sharded(),
         "periods": sorted({entry["period"] for entry in optimizer.state.values()}),
@@ -82,7 +86,12 @@ def scenario_save(
 
 
 def scenario_resume(
-    rank: int, world_size: int, folder: str, saved_world: int, widths: tuple[int, ...] = WIDTHS
+    rank: int,
+    world_size: int,
+    folder: str,
+    saved_world: int,
+    widths: tuple[int, ...] = WIDTHS,
+    layout: str = "fsdp",
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -94,7 +103,7 @@ def scenario_resume(
 
     from gefen.core import Gefen
 
-    model = _model(world_size, widths)
+    model = _model(world_size, widths, layout)
     optimizer = Gefen(model.parameters(), lr=0.01)
     template = get_optimizer_state_dict(model, optimizer)
     state = {"model": get_model_state_dict(model), "optim": template}
@@ -118,24 +127,31 @@ def scenario_resume(
         and all(bool(torch.isfinite(p).all()) for p in after)
         and any(not torch.equal(x, y) for x, y in zip(before, after, strict=True)),
         "bitwise": world_size == saved_world
+        and saved["layout"] == layout
         and all(torch.equal(x, y) for x, y in zip(after, saved["continued"], strict=True)),
     }
 
 
 def _resumes(
-    folder: Path, saved_world: int, worlds: tuple[int, ...], widths: tuple[int, ...] = WIDTHS
-) -> dict[int, Any]:
-    saved = run_scenarios(
-        [("save", scenario_save, (str(folder), widths))], saved_world, rank_deadline_s=300.0
-    )
-    outcomes = {0: saved["save"]}
-    for world in worlds:
+    folder: Path,
+    saved_world: int,
+    worlds: tuple[int | tuple[int, str], ...],
+    widths: tuple[int, ...] = WIDTHS,
+    layout: str = "fsdp",
+) -> dict[Any, Any]:
+    """Save at ``saved_world`` in ``layout``; resume at each world (a ``(world, layout)`` pair
+    for another layout than FSDP's)."""
+    save = (str(folder), widths, layout)
+    saved = run_scenarios([("save", scenario_save, save)], saved_world, rank_deadline_s=300.0)
+    outcomes: dict[Any, Any] = {0: saved["save"]}
+    for target in worlds:
+        world, resume_layout = target if isinstance(target, tuple) else (target, "fsdp")
         resumed = run_scenarios(
-            [("resume", scenario_resume, (str(folder), saved_world, widths))],
+            [("resume", scenario_resume, (str(folder), saved_world, widths, resume_layout))],
             world,
             rank_deadline_s=300.0,
         )
-        outcomes[world] = resumed["resume"]
+        outcomes[target] = resumed["resume"]
     return outcomes
 
 
@@ -205,6 +221,37 @@ def test_a_world_two_file_resumes_where_a_rank_holds_no_row(
     narrow_from_two: dict[int, Any],
 ) -> None:
     for result in narrow_from_two[4]:
+        assert result["state_equal"]
+        assert result["extras_equal"]
+        assert result["step"] == 3
+        assert result["trained"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_from_four(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    return _resumes(tmp_path_factory.mktemp("hsdp4"), 4, (2, 3, (4, "hsdp")), WIDTHS, "hsdp")
+
+
+@pytest.mark.parametrize("target", [2, 3, (4, "hsdp")])
+def test_an_hsdp_checkpoint_resumes_under_fsdp_and_hsdp(
+    target: Any, hsdp_from_four: dict[Any, Any]
+) -> None:
+    """HSDP, a (2, 2) mesh replicated over its first dimension and row-sharded over its second:
+    row-sharded too (the codebook summed over the shards), so DCP moves its file to FSDP at 2 and
+    3 and back to HSDP at 4, where the run continues bit for bit."""
+    for result in hsdp_from_four[0]:
+        assert result["row_sharded"]
+    for result in hsdp_from_four[target]:
+        assert result["state_equal"]
+        assert result["extras_equal"]
+        assert result["step"] == 3
+        assert result["trained"]
+        assert result["bitwise"] == (target == (4, "hsdp"))
+
+
+def test_an_fsdp_checkpoint_resumes_under_hsdp(tmp_path: Path) -> None:
+    outcomes = _resumes(tmp_path, 2, ((4, "hsdp"),))
+    for result in outcomes[(4, "hsdp")]:
         assert result["state_equal"]
         assert result["extras_equal"]
         assert result["step"] == 3

@@ -32,9 +32,20 @@ def _shapes(mode: str) -> list[tuple[int, int]]:
     return NARROW if mode.endswith("_narrow") else SHAPES
 
 
+def _mesh(world: int, mode: str) -> Any:
+    """One mesh of ``world``, or for an ``_hsdp`` mode HSDP's (2, world / 2): replicated over
+    the first dimension, row-sharded over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not mode.endswith("_hsdp"):
+        return mt.mesh_1d(world)
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+
 def _build(world: int, mode: str) -> tuple[Any, Any]:
-    model = mt.sharded(mt.mesh_1d(world), mt.fulls(_shapes(mode), 0))
-    return model, mt.sharded_muon(model, sharded_mode=mode.removesuffix("_narrow"))
+    model = mt.sharded(_mesh(world, mode), mt.fulls(_shapes(mode), 0))
+    sharded_mode = mode.removesuffix("_narrow").removesuffix("_hsdp")
+    return model, mt.sharded_muon(model, sharded_mode=sharded_mode)
 
 
 def _train(model: Any, optimizer: Any, steps: range) -> None:
@@ -71,15 +82,16 @@ def scenario_save(rank: int, world_size: int, folder: str, mode: str) -> dict[st
 
 
 def scenario_resume(
-    rank: int, world_size: int, folder: str, mode: str, saved_world: int
+    rank: int, world_size: int, folder: str, mode: str, saved_world: int, built: str = ""
 ) -> dict[str, Any]:
+    """Resume the file of ``mode`` into an optimizer built as ``built`` (default: ``mode``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    model, optimizer = _build(world_size, mode)
+    model, optimizer = _build(world_size, built or mode)
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(Path(folder) / mode))
     set_model_state_dict(model, state["model"])
@@ -158,6 +170,24 @@ def test_a_rank_without_rows_still_reshards_from_four_to(
         assert result["step"] == 3
         assert result["trained"]
         if world == 4:
+            assert result["bitwise"]
+
+
+def test_an_approx_hsdp_checkpoint_resumes_under_fsdp_and_hsdp(tmp_path: Path) -> None:
+    """approx under HSDP, a (2, 2) mesh: row-sharded over its second dimension, so DCP moves the
+    file to FSDP at world 2 and back to HSDP at 4. Both split the rows in two, so approx (each
+    rank orthogonalizes its rows) continues bit for bit in both."""
+    folder, mode = str(tmp_path), "approx_hsdp"
+    saved = run_scenarios([(mode, scenario_save, (folder, mode))], 4, rank_deadline_s=300.0)
+    assert [result["row_sharded"] for result in saved[mode]] == [True] * 4
+    for world, built in ((2, "approx"), (4, mode)):
+        resumed = run_scenarios(
+            [(mode, scenario_resume, (folder, mode, 4, built))], world, rank_deadline_s=300.0
+        )
+        for result in resumed[mode]:
+            assert result["state_equal"]
+            assert result["step"] == 3
+            assert result["trained"]
             assert result["bitwise"]
 
 

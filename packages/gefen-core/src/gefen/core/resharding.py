@@ -4,7 +4,8 @@ FSDP2 shards every parameter by rows (``Shard(0)``) over one mesh. Gefen's DTens
 each block inside one row (one block per row, period 1 for a vector; rows under 8 elements give
 blocks under 8, which costs bytes on a rare shape, never correctness), so a rank's codes, scales
 and second moments belong to exactly its own rows. When every parameter is sharded that way over
-one mesh of two or more ranks, the optimizer is *row-sharded*: it learns one codebook from the
+one mesh of two or more ranks (or, under HSDP, over the second dimension of one 2-D mesh and
+replicated over the first), the optimizer is *row-sharded*: it learns one codebook from the
 histogram summed over the mesh, its counters are equal on every rank that holds rows (a rank
 without rows of a parameter learns that entry's counters at save, ``agree_counters``), and
 ``state_dict()`` presents the per-row tensors as DTensors with the parameter's placement.
@@ -64,23 +65,34 @@ def row_sharded_mesh(
     """The one mesh every parameter (with rows) is row-sharded over, or None; with
     ``rows_everywhere`` every rank must also hold rows of each. Computed from shapes and
     placements alone, so every rank decides alike."""
-    from torch.distributed.tensor import Shard
-
     mesh: DeviceMesh | None = None
     for param in params:
-        if not is_dtensor(param) or param.dim() == 0:
+        if not is_dtensor(param) or param.dim() == 0 or not _rows_placed(param):
             return None
         own: DeviceMesh = param.device_mesh  # type: ignore[attr-defined]
-        placements = tuple(param.placements)  # type: ignore[attr-defined]
-        if own.ndim != 1 or own.size() < 2 or placements != (Shard(0),):
-            return None
         if mesh is not None and mesh_key(own) != mesh_key(mesh):
             return None
         rows = int(param.shape[0])
-        if rows == 0 or (rows_everywhere and not every_rank_has_rows(rows, own.size())):
+        if rows == 0 or (rows_everywhere and not every_rank_has_rows(rows, _shards(param))):
             return None
         mesh = own
     return mesh
+
+
+def _rows_placed(param: Tensor) -> bool:
+    """FSDP2's ``Shard(0)`` over a 1-D mesh, or HSDP's ``(Replicate(), Shard(0))`` over a 2-D
+    one (each replica row-sharded alike), with two or more shards."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = param.device_mesh, tuple(param.placements)  # type: ignore[attr-defined]
+    expected = {1: (Shard(0),), 2: (Replicate(), Shard(0))}.get(mesh.ndim)
+    return placements == expected and _shards(param) >= 2
+
+
+def _shards(param: Tensor) -> int:
+    """The size of the mesh dimension the rows are split over (the last)."""
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    return int(mesh.size(mesh.ndim - 1))
 
 
 def local_rows(value: Tensor, param: Tensor) -> Tensor:
@@ -89,8 +101,8 @@ def local_rows(value: Tensor, param: Tensor) -> Tensor:
     rows, held = int(param.shape[0]), int(local_tensor(param).shape[0])
     if value.dim() != 2 or int(value.shape[0]) != rows or held == rows:
         return value
-    chunk = -(-rows // int(param.device_mesh.size()))  # type: ignore[attr-defined]
-    start = chunk * int(param.device_mesh.get_local_rank())  # type: ignore[attr-defined]
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    start = -(-rows // _shards(param)) * int(mesh.get_local_rank(mesh.ndim - 1))
     return value[start : start + held].clone()
 
 
@@ -128,10 +140,10 @@ def agree_counters(
     """In place: the counters of each entry whose parameter leaves some rank without rows
     become the largest over the mesh, which every rank with rows holds (they update alike), so
     the ints DCP saves once do not depend on which rank wrote them. One MAX all-reduce over the
-    one channel of a row-sharded optimizer's scope; none where every rank has rows of all."""
+    shards (the scope's last channel); none where every rank has rows of all."""
     import torch.distributed as dist
 
-    (channel,) = scope
+    channel = scope[-1]  # the mesh's last dimension: the one its rows are split over
     world = dist.get_world_size(channel.process_group)
     targets = [
         entry
@@ -150,11 +162,12 @@ def agree_counters(
 
 
 def summed_over(counts: Tensor, scope: Sequence[Channel]) -> Tensor:
-    """``counts`` summed exactly (int64) over the one channel of a row-sharded optimizer's
-    scope: the histogram every rank of the mesh then solves alike."""
+    """``counts`` summed exactly (int64) over the shards of a row-sharded optimizer's mesh (its
+    scope's last channel; HSDP's replicas hold equal gradients, hence equal sums): the
+    histogram every rank of the mesh then solves alike."""
     import torch.distributed as dist
 
-    (channel,) = scope
+    channel = scope[-1]
     total = counts.to(device=channel.device, dtype=torch.int64, copy=True)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=channel.process_group)
     return total.to(counts.device)

@@ -139,13 +139,14 @@ def oracle(matrices: Sequence[Tensor], **overrides: Any) -> tuple[list[nn.Parame
 
 
 def assign_sharded(model: nn.Module, gradients: Sequence[Tensor], skip: Iterable[int] = ()) -> None:
-    """Shard(0) gradients on every rank; ``skip`` items are then cleared (§11)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Gradients placed as their parameters (FSDP2's Shard(0), HSDP's (Replicate(), Shard(0)))
+    on every rank; ``skip`` items are then cleared (§11)."""
+    from torch.distributed.tensor import distribute_tensor
 
     absent = set(skip)
     for index, (param, grad) in enumerate(zip(model.parameters(), gradients, strict=True)):
-        mesh: Any = cast(Any, param).device_mesh  # a DTensor parameter after fully_shard
-        param.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        held: Any = cast(Any, param)  # a DTensor parameter after fully_shard
+        param.grad = distribute_tensor(grad.clone(), held.device_mesh, held.placements)
         if index in absent:
             param.grad = None
 
