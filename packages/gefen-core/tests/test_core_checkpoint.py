@@ -56,7 +56,7 @@ def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:
         assert group["gefen"] is not extras
         assert group["gefen"].keys() == extras.keys()
         assert torch.equal(group["gefen"]["codebook"], extras["codebook"])
-    assert extras["initialized_params"] == [0, 1]
+    assert extras["initialized_params"] == [1, 1]  # format 2: one flag per parameter
     assert extras["global_step"] == 3
     assert set(sd["state"]) == {0, 1}
     assert loaded["gefen"]["global_step"] == 3
@@ -224,7 +224,7 @@ def test_deep_record_detects_each_kind_of_mutation() -> None:
     mutations = [
         lambda sd: sd["param_groups"][0].__setitem__("lr", 0.5),
         lambda sd: sd["param_groups"][0]["params"].append(9),
-        lambda sd: sd["gefen"]["initialized_params"].reverse(),
+        lambda sd: sd["gefen"]["initialized_params"].append(0),
         lambda sd: sd["state"][0].__setitem__(
             "momentum_scale", sd["state"][0]["momentum_scale"].clone()
         ),

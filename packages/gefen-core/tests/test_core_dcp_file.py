@@ -177,6 +177,8 @@ FORMAT2_REJECTIONS = [
     ("past its blocks", _past_blocks, "holds values past its"),
     ("pristine not zero", _pristine_not_zero, "a step-0 entry must hold zeros"),
     ("slot shape", _slot_shape, "must be the (16, 1) slot of a searched period"),
+    ("flags as positions", lambda sd: _both(sd, "initialized_params", [0, 1]), "must be 8 flags"),
+    ("flag not 0 or 1", lambda sd: _both(sd, "initialized_params", [1] * 6 + [2, 0]), "0 or 1"),
 ]
 
 
@@ -243,3 +245,29 @@ def test_a_dcp_file_that_does_not_fit_is_refused_with_nothing_changed(
         step = target.global_step
         _train(target_model, target, range(20, 21))
         assert target.global_step == step + 1
+
+
+def test_a_full_state_dict_loads_through_torch_into_a_fresh_optimizer() -> None:
+    """torch's full-state-dict round trip (``StateDictOptions(full_state_dict=True)`` both ways)
+    into a freshly built Gefen: its flattening matches lists item by item, so format 2's
+    ``initialized_params`` is one flag per parameter; the run continues bit for bit."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    model = _Net(seed=0)
+    source = Gefen(model.parameters(), lr=0.01)
+    _train(model, source, range(3))
+    full = get_optimizer_state_dict(model, source, options=options)
+    twin = _Net(seed=0)
+    twin.load_state_dict(model.state_dict())
+    target = Gefen(twin.parameters(), lr=0.01)
+    set_optimizer_state_dict(twin, target, full, options=options)
+    assert target.global_step == 3
+    _train(model, source, range(3, 5))
+    _train(twin, target, range(3, 5))
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)

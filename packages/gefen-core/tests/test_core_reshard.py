@@ -258,6 +258,54 @@ def test_an_fsdp_checkpoint_resumes_under_hsdp(tmp_path: Path) -> None:
         assert result["trained"]
 
 
+def scenario_full_save(rank: int, world_size: int, folder: str) -> None:
+    """One portable file, as for torch's AdamW: the full state dict, saved on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from gefen.core import Gefen
+
+    model = _model(world_size, NARROW)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(3))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, optimizer, options=options)
+    expected = gathered_optimizer_state(model, optimizer)
+    if rank == 0:
+        torch.save({"full": full, "expected": expected}, Path(folder) / "full.pt")
+
+
+def scenario_full_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from gefen.core import Gefen
+
+    model = _model(world_size, NARROW)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    saved = torch.load(Path(folder) / "full.pt", weights_only=True)
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, saved["full"], options=options)
+    gathered = gathered_optimizer_state(model, optimizer)
+    step = optimizer.global_step
+    _train(model, optimizer, rank, range(3, 5))
+    return {
+        "state_equal": nested_equal(gathered["state"], saved["expected"]["state"]),
+        "trained": (step, optimizer.global_step),
+    }
+
+
+def test_a_full_state_dict_file_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """Saved at world 2 through torch's full-state-dict path, resumed through it at 3 and 4
+    (rank 3 of 4 holding no row of the (3, 8) layer)."""
+    run_scenarios([("save", scenario_full_save, (str(tmp_path),))], 2, rank_deadline_s=300.0)
+    for world in (3, 4):
+        resumed = run_scenarios(
+            [("resume", scenario_full_resume, (str(tmp_path),))], world, rank_deadline_s=300.0
+        )
+        for result in resumed["resume"]:
+            assert result["state_equal"]
+            assert result["trained"] == (3, 5)
+
+
 def scenario_values_without_rows(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 3 holds no row of the (3, 8) layer: a state dict whose rows there are not empty
     (made by hand) is refused on every rank, nothing changed, and the optimizer trains."""

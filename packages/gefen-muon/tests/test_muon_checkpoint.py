@@ -222,7 +222,7 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
     assert extras["global_step"] == 3
     assert extras["deterministic"] is False
     assert extras["momentum_codec"] == codec
-    assert extras["initialized_params"] == [0, 1]
+    assert extras["initialized_params"] == [1, 1, 0]  # format 2: one flag per parameter
     if codec == "codebook8":
         assert extras["codebook_present"] == 1
         assert extras["codebook"] is not optimizer.codebook

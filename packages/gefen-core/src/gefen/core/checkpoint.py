@@ -25,7 +25,7 @@ from gefen.core.resharding import check_row_periods
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
-from gefen.core.template import TEMPLATE_FORMAT, absorb_codebook, absorb_state
+from gefen.core.template import TEMPLATE_FORMAT, absorb_extras, absorb_state
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 from gefen.dist import (
@@ -210,7 +210,7 @@ class _Loader:
         loaded: dict[str, Any] = extras
         if self.optimizer.TEMPLATE_COMPLETE and loaded.get("format_version") == TEMPLATE_FORMAT:
             try:
-                loaded = absorb_codebook(loaded)
+                loaded = absorb_extras(loaded, sum(len(group["params"]) for group in groups))
             except ValueError as error:
                 raise self.reject(str(error)) from None
         self.check_extras(loaded)

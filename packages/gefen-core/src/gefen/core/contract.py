@@ -66,15 +66,21 @@ def extras_field(description: str) -> StateField:
     )
 
 
+# Format 2 (docs/core.md §8.7) shapes a searched period's tensors by N alone, so a fresh
+# optimizer's are the same as a trained one's.
+_SLOTS = "{} (B, P); (N, 1) where the first gradient searches P"
+_SLOT = "; the first B rows of an (N, 1) slot where P is searched"
+
+
 def _fields() -> tuple[StateField, ...]:
     return (
-        extras_field("the extras: format, global step, codebook, flags, initialized positions"),
+        extras_field("the extras: format, global step, codebook slot, flags, initialized flags"),
         parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
         parameter_field("step", StateGeometry.SCALAR, "momentum age"),
-        parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
-        parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
-        parameter_field("momentum", StateGeometry.BLOCK, "fp32 momentum (B, P), codec none"),
-        parameter_field("v_block", StateGeometry.BLOCK, "fp32 block second moment (B, 1)"),
+        parameter_field("momentum_codes", StateGeometry.BLOCK, _SLOTS.format("uint8 indices")),
+        parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)" + _SLOT),
+        parameter_field("momentum", StateGeometry.BLOCK, _SLOTS.format("codec none, fp32")),
+        parameter_field("v_block", StateGeometry.BLOCK, "fp32 block second moment (B, 1)" + _SLOT),
         parameter_field("v_row", StateGeometry.ROW, "fp32 row second moment (R,)"),
         parameter_field("v_col", StateGeometry.COLUMN, "fp32 column second moment (C,)"),
         parameter_field("v_step", StateGeometry.SCALAR, "age of the second-moment family"),

@@ -17,7 +17,12 @@ from torch import Tensor
 
 from gefen.core.resharding import agree_counters, as_row_dtensors
 from gefen.core.state import is_initialized
-from gefen.core.template import TEMPLATE_FORMAT, present_codebook, present_entry
+from gefen.core.template import (
+    TEMPLATE_FORMAT,
+    initialized_flags,
+    present_codebook,
+    present_entry,
+)
 from gefen.dist import rank_local_header
 
 if TYPE_CHECKING:
@@ -63,6 +68,8 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
     }
     if optimizer.TEMPLATE_COMPLETE:
         extras.update(format_version=TEMPLATE_FORMAT, **present_codebook(codebook))
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        extras["initialized_params"] = initialized_flags(initialized, count)
     scope = scope_extras(optimizer)
     if scope is not None:
         extras["scope"] = scope
@@ -100,7 +107,8 @@ def build_state_dict(
             params = [param for _, _, param in indexed]
             agree_counters(presented, params, optimizer.step_failure_scope())
             # so the extras DCP keeps once are every rank's: initialized = stepped on the mesh
-            agreed["initialized_params"] = [i for i, e in presented.items() if e["step"] > 0]
+            stepped = [i for i, entry in presented.items() if entry["step"] > 0]
+            agreed["initialized_params"] = initialized_flags(stepped, len(presented))
         for position, group, param in indexed:
             entry = presented[position]
             rows = row_sharded or optimizer.presents_rows(group, param)

@@ -36,7 +36,9 @@ __all__ = [
     "TemplateLayout",
     "absorb_codebook",
     "absorb_entry",
+    "absorb_extras",
     "absorb_state",
+    "initialized_flags",
     "present_codebook",
     "present_entry",
 ]
@@ -80,6 +82,29 @@ def present_codebook(codebook: Tensor | None) -> dict[str, Any]:
     if codebook is None:
         return {"codebook": torch.zeros(CODEBOOK_SIZE, dtype=torch.float32), PRESENCE_KEY: 0}
     return {"codebook": codebook.detach().clone(), PRESENCE_KEY: 1}
+
+
+def initialized_flags(positions: list[int], count: int) -> list[int]:
+    """Format 2's ``initialized_params``: one 0/1 flag per listed parameter, so a fresh
+    optimizer's list is as long as a trained one's (torch's full-state-dict load matches lists
+    item by item)."""
+    marked = set(positions)
+    return [int(position in marked) for position in range(count)]
+
+
+def absorb_extras(extras: Mapping[str, Any], count: int) -> dict[str, Any]:
+    """Format 2 extras as format 1 (``count`` parameters listed): the codebook slot (below) and
+    the initialized flags as positions."""
+    absorbed = absorb_codebook(extras)
+    flags = extras.get("initialized_params")
+    if (
+        not isinstance(flags, list)
+        or len(flags) != count
+        or any(type(flag) is not int or flag not in (0, 1) for flag in flags)
+    ):
+        raise ValueError(f"initialized_params must be {count} flags, each the int 0 or 1")
+    absorbed["initialized_params"] = [position for position, flag in enumerate(flags) if flag]
+    return absorbed
 
 
 def absorb_codebook(extras: Mapping[str, Any]) -> dict[str, Any]:

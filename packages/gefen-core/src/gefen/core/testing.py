@@ -334,16 +334,18 @@ def forbid_collectives(monkeypatch: Any, caller: str, names: Sequence[str] = COL
 
 def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of ``optimizer``'s format 2 ``state_dict`` ``sd`` in format 1: the codebook
-    slot as the codebook or None, and every entry in its live form (docs/core.md §8.7)."""
+    slot as the codebook or None, the initialized flags as positions, and every entry in its
+    live form (docs/core.md §8.7)."""
     import copy
 
     from gefen.core.saving import EXTRAS_KEY, FORMAT_VERSION, torch_indices
-    from gefen.core.template import absorb_codebook, absorb_entry
+    from gefen.core.template import absorb_entry, absorb_extras
 
     old = copy.deepcopy(sd)
+    count = sum(len(group["params"]) for group in old["param_groups"])
     for holder in (old, *old["param_groups"]):
         if EXTRAS_KEY in holder:
-            holder[EXTRAS_KEY] = absorb_codebook(holder[EXTRAS_KEY])
+            holder[EXTRAS_KEY] = absorb_extras(holder[EXTRAS_KEY], count)
             holder[EXTRAS_KEY]["format_version"] = FORMAT_VERSION
     indices = torch_indices(optimizer.param_groups)
     for group, group_indices in zip(optimizer.param_groups, indices, strict=True):

@@ -49,8 +49,14 @@ def _fields() -> tuple[StateField, ...]:
         extras_field("the extras: format, global step, codebook, flags, manifest"),
         parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
         parameter_field("step", StateGeometry.SCALAR, "updates applied to this matrix"),
-        parameter_field("momentum_codes", StateGeometry.BLOCK, "uint8 codebook indices (B, P)"),
-        parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)"),
+        parameter_field(
+            "momentum_codes", StateGeometry.BLOCK, "uint8 indices (B, P); (N, 1) if P is searched"
+        ),
+        parameter_field(
+            "momentum_scale",
+            StateGeometry.BLOCK,
+            "fp32 block maxima (B, 1), in an (N, 1) slot if P is searched",
+        ),
         parameter_field("matrix_cols", StateGeometry.SCALAR, "the matrix width C of the codes"),
         parameter_field("momentum_buffer", StateGeometry.PARAMETER, "momentum, codec none"),
         parameter_field("normuon_v", StateGeometry.ROW, "fp32 NorMuon row statistics (R, 1)"),
