@@ -165,6 +165,16 @@ def from_four(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     return _resumes(tmp_path_factory.mktemp("world4"), 4, (2,))
 
 
+def _resumed(result: dict[str, Any]) -> bool:
+    """The state and extras equal the saved ones, at step 3, and training went on."""
+    return bool(
+        result["state_equal"]
+        and result["extras_equal"]
+        and result["step"] == 3
+        and result["trained"]
+    )
+
+
 def test_the_saving_optimizer_is_row_sharded(from_two: dict[int, Any]) -> None:
     for result in from_two[0]:
         assert result == {"row_sharded": True, "periods": [1, 8, 24]}
@@ -173,10 +183,7 @@ def test_the_saving_optimizer_is_row_sharded(from_two: dict[int, Any]) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_a_world_two_checkpoint_resumes_at(world: int, from_two: dict[int, Any]) -> None:
     for result in from_two[world]:
-        assert result["state_equal"]
-        assert result["extras_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
         assert result["bitwise"] == (world == 2)
 
 
@@ -184,10 +191,7 @@ def test_a_world_four_checkpoint_resumes_at_two(from_four: dict[int, Any]) -> No
     for result in from_four[0]:
         assert result["row_sharded"]
     for result in from_four[2]:
-        assert result["state_equal"]
-        assert result["extras_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +214,7 @@ def test_a_rank_without_rows_still_reshards_from_four_to(
         assert result["row_sharded"]
     assert narrow_from_four[0][3]["periods"] == [0, 1, 3]  # no state for the layer it lacks
     for result in narrow_from_four[world]:
-        assert result["state_equal"]
-        assert result["extras_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
         assert result["bitwise"] == (world == 4)
 
 
@@ -221,10 +222,7 @@ def test_a_world_two_file_resumes_where_a_rank_holds_no_row(
     narrow_from_two: dict[int, Any],
 ) -> None:
     for result in narrow_from_two[4]:
-        assert result["state_equal"]
-        assert result["extras_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
 
 
 @pytest.fixture(scope="module")
@@ -242,20 +240,14 @@ def test_an_hsdp_checkpoint_resumes_under_fsdp_and_hsdp(
     for result in hsdp_from_four[0]:
         assert result["row_sharded"]
     for result in hsdp_from_four[target]:
-        assert result["state_equal"]
-        assert result["extras_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
         assert result["bitwise"] == (target == (4, "hsdp"))
 
 
 def test_an_fsdp_checkpoint_resumes_under_hsdp(tmp_path: Path) -> None:
     outcomes = _resumes(tmp_path, 2, ((4, "hsdp"),))
     for result in outcomes[(4, "hsdp")]:
-        assert result["state_equal"]
-        assert result["extras_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
 
 
 def scenario_full_save(rank: int, world_size: int, folder: str) -> None:

@@ -122,6 +122,11 @@ def _resumes(
     return outcomes
 
 
+def _resumed(result: dict[str, Any]) -> bool:
+    """The gathered state equals the saved one, at step 3, and training went on."""
+    return bool(result["state_equal"] and result["step"] == 3 and result["trained"])
+
+
 @pytest.fixture(scope="module")
 def from_two(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     return _resumes(tmp_path_factory.mktemp("muon2"), 2, (1, 2, 3, 4))
@@ -137,9 +142,7 @@ def from_four(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
 def test_a_world_two_checkpoint_resumes_at(world: int, mode: str, from_two: Any) -> None:
     assert all(result["step"] == 5 for result in from_two["save"][mode])
     for result in from_two[world][mode]:
-        assert result["state_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
         if world == 2:
             assert result["bitwise"]
 
@@ -147,9 +150,7 @@ def test_a_world_two_checkpoint_resumes_at(world: int, mode: str, from_two: Any)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_world_four_checkpoint_resumes_at_two(mode: str, from_four: Any) -> None:
     for result in from_four[2][mode]:
-        assert result["state_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +167,7 @@ def test_a_rank_without_rows_still_reshards_from_four_to(
     learns the matrix's counters at save) and distributed saves that matrix whole."""
     assert [r["row_sharded"] for r in narrow_from_four["save"]["approx_narrow"]] == [True] * 4
     for result in narrow_from_four[world][mode]:
-        assert result["state_equal"]
-        assert result["step"] == 3
-        assert result["trained"]
+        assert _resumed(result), result
         if world == 4:
             assert result["bitwise"]
 
