@@ -5,6 +5,7 @@ bit for bit as if it had never stopped."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,39 @@ def test_a_fresh_gefen_muon_resumes_a_dcp_file_bit_exactly(
     assert twin.codebook is None
     _round_trip(model, optimizer, twin, twin_model, tmp_path)
     assert twin.global_step == 3
+    _train(model, optimizer, range(3, 6))
+    _train(twin_model, twin, range(3, 6))
+    assert _same_params(model, twin_model)
+
+
+def _muon() -> tuple[torch.nn.Module, GefenMuon]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 4))
+    return model, GefenMuon([model[0].weight, model[1].weight], lr=0.02, ns_steps=1, fused=False)
+
+
+FULL_CASES = {
+    "hybrid-gefen": lambda: _hybrid("gefen", {}),
+    "hybrid-adamw": lambda: _hybrid("adamw", {}),
+    "gefen-muon": _muon,
+}
+
+
+@pytest.mark.parametrize("case", sorted(FULL_CASES))
+def test_a_full_state_dict_loads_through_torch_into_a_fresh_optimizer(case: str) -> None:
+    """torch's full-state-dict pair (``StateDictOptions(full_state_dict=True)`` both ways): its
+    load matches the extras' lists item by item against the fresh optimizer's, which format 2's
+    one flag per parameter makes possible; the run continues bit for bit."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(full_state_dict=True)
+    model, optimizer = FULL_CASES[case]()
+    _train(model, optimizer, range(3))
+    twin_model, twin = FULL_CASES[case]()
+    twin_model.load_state_dict(model.state_dict())
+    # as a file holds it: without cpu_offload the dict holds the live tensors of plain state
+    full = copy.deepcopy(get_optimizer_state_dict(model, optimizer, options=options))
+    set_optimizer_state_dict(twin_model, twin, full, options=options)
     _train(model, optimizer, range(3, 6))
     _train(twin_model, twin, range(3, 6))
     assert _same_params(model, twin_model)
