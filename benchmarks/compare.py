@@ -62,6 +62,8 @@ from harness_config import (
     GEFEN_STEP_RATIO_MODEL,
     GRAD_CLIP,
     HELD_OUT_FRACTION,
+    HYBRID_Q4_BYTES_PER_PARAM,
+    HYBRID_Q4_LOSS_TOLERANCE,
     HYBRID_STEP_RATIO_VS_MUON,
     LOSS_TOLERANCE,
     MODEL_SIZES,
@@ -406,6 +408,23 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
             None if ratio is None else ratio <= limit,
             "target, median step(); value is the ratio" + scope,
         )
+    q4_bpp = get("gefen_muon_gefen_q4", "state_bytes_per_param")
+    add(
+        "GefenMuonHybrid, codebook4 in both children: state bytes/param",
+        f"<= {HYBRID_Q4_BYTES_PER_PARAM}",
+        q4_bpp,
+        None if q4_bpp is None else q4_bpp <= HYBRID_Q4_BYTES_PER_PARAM,
+        "target" + scope,
+    )
+    mine, theirs = get("gefen_muon_gefen_q4", "eval_loss"), get("muon", "eval_loss")
+    gap = None if mine is None or theirs is None else mine / theirs - 1
+    add(
+        "GefenMuonHybrid, codebook4 in both children: held-out loss vs torch Muon",
+        f"within {HYBRID_Q4_LOSS_TOLERANCE:.0%} (relative gap <= {HYBRID_Q4_LOSS_TOLERANCE})",
+        gap,
+        None if gap is None else gap <= HYBRID_Q4_LOSS_TOLERANCE,
+        f"target, at {at}",
+    )
     fused_loss, eager_loss = get("gefen", "eval_loss"), get("gefen_eager", "eval_loss")
     drift = None if fused_loss is None or eager_loss is None else abs(fused_loss / eager_loss - 1)
     add(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-OURS = ("gefen", "gefen_muon_gefen", "gefen_muon_adamw")
+OURS = ("gefen", "gefen_q4", "gefen_muon_gefen", "gefen_muon_adamw", "gefen_muon_gefen_q4")
 # Not a point of its own: the same optimizer as ``gefen`` on the eager reference kernels.
 LEFT_OUT = ("gefen_eager",)
 

@@ -239,12 +239,20 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
         raise Unavailable(reason)
     if name == "adamw":
         return _adamw(model.parameters(), lr)
-    if name in ("gefen", "gefen_eager"):
+    if name in ("gefen", "gefen_eager", "gefen_q4"):
         from gefen.core import Gefen
 
         # gefen_eager: the eager reference kernels, for the fused-vs-eager loss comparison.
         fused = False if name == "gefen_eager" else None
-        return Gefen(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=fused)
+        codec = "codebook4" if name == "gefen_q4" else "codebook8"
+        return Gefen(
+            model.parameters(),
+            lr=lr,
+            betas=BETAS,
+            weight_decay=WEIGHT_DECAY,
+            fused=fused,
+            momentum_codec=codec,
+        )
     if name in GEFEN_ABLATION:
         return _gefen_variant(name, model, lr)
     if name == "muon":
@@ -267,6 +275,17 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> Any:
             weight_decay=WEIGHT_DECAY,
             betas=BETAS,
             backup_optimizer=name.removeprefix("gefen_muon_"),
+        )
+    if name == "gefen_muon_gefen_q4":
+        from gefen.hybrid import GefenMuonHybrid
+
+        return GefenMuonHybrid(
+            model,
+            lr=lr,
+            weight_decay=WEIGHT_DECAY,
+            betas=BETAS,
+            momentum_codec="codebook4",
+            backup_momentum_codec="codebook4",
         )
     if name == "bnb_adamw8bit":
         try:

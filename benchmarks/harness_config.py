@@ -17,9 +17,11 @@ OPTIMIZERS: tuple[str, ...] = (
     "adamw",
     "gefen",
     "gefen_eager",
+    "gefen_q4",
     "muon",
     "gefen_muon_gefen",
     "gefen_muon_adamw",
+    "gefen_muon_gefen_q4",
     "bnb_adamw8bit",
     "torchao_adamw8bit",
     "torchao_adamw4bit",
@@ -38,9 +40,12 @@ DEFAULT_LR: dict[str, float] = {
     "adamw": 7.5e-4,
     "gefen": 7.5e-4,
     "gefen_eager": 7.5e-4,
+    # codebook4 (4-bit momentum): the rates of their codebook8 twins.
+    "gefen_q4": 7.5e-4,
     "muon": 1.2e-2,
     "gefen_muon_gefen": 1.2e-2,
     "gefen_muon_adamw": 1.2e-2,
+    "gefen_muon_gefen_q4": 1.2e-2,
     "bnb_adamw8bit": 7.5e-4,
     "torchao_adamw8bit": 7.5e-4,
     "torchao_adamw4bit": 7.5e-4,
@@ -120,6 +125,9 @@ HELD_OUT_FRACTION = 0.1
 # docs/quality.md "Numbers to reach" (bytes/param and loss are targets).
 GEFEN_BYTES_PER_PARAM = 1.05
 GEFEN_MUON_BYTES_PER_PARAM = 1.10
+# Issue "the quality-per-byte frontier": the hybrid with codebook4 in both children.
+HYBRID_Q4_BYTES_PER_PARAM = 0.6
+HYBRID_Q4_LOSS_TOLERANCE = 0.01
 LOSS_TOLERANCE = 0.02
 CODEBOOK_SOLVE_SECONDS = 1.0
 

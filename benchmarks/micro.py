@@ -59,7 +59,7 @@ from harness_config import (
 )
 from torch import nn
 
-MUON_FAMILY = ("muon", "gefen_muon_gefen", "gefen_muon_adamw")
+MUON_FAMILY = ("muon", "gefen_muon_gefen", "gefen_muon_adamw", "gefen_muon_gefen_q4")
 MATRIX_SHAPED = (*MUON_FAMILY, "apollo", "apollo_mini")  # single cases are square matrices
 SINGLE_SIZES = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
 STACK = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")  # NxS: N matrices of SxS

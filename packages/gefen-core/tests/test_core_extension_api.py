@@ -16,6 +16,11 @@ import pytest
 from gefen.core import extension, fused
 
 EXPECTED = {
+    "CODEBOOK_CODECS": "gefen.core.options",
+    "VARIANT_PREFIX": "gefen.core.options",
+    "check_group_codec": "gefen.core.options",
+    "codes_per_byte": "gefen.core.options",
+    "variant_prefix": "gefen.core.options",
     "STEP_SIGNATURE": "gefen.core.transaction",
     "TEMPLATE_FORMAT": "gefen.core.template",
     "CodebookInput": "gefen.core.learning",
@@ -83,15 +88,16 @@ def test_the_fused_entry_points_follow_a_patch_of_gefen_core_fused(
 ) -> None:
     seen: list[object] = []
 
-    def momentum(device_type: str) -> str:
-        seen.append(device_type)
+    def momentum(device_type: str, codebook_size: int = 256) -> str:
+        seen.append((device_type, codebook_size))
         return "patched"
 
     monkeypatch.setattr(fused, "fused_momentum", momentum)
     monkeypatch.setattr(fused, "resolve_default", lambda value: ("resolved", value))
     assert extension.fused_momentum("cpu") == "patched"
+    assert extension.fused_momentum("cpu", 16) == "patched"
     assert extension.resolve_default(None) == ("resolved", None)
-    assert seen == ["cpu"]
+    assert seen == [("cpu", 256), ("cpu", 16)]
 
 
 def test_the_extension_api_is_enough_for_gefen_muon() -> None:

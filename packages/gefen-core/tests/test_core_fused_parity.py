@@ -16,6 +16,7 @@ import torch
 import gefen.core.fused as fused_module
 from gefen.core import Gefen
 from gefen.core.compiled import FusedMomentum, FusedUpdater, compiled_graph_count
+from gefen.core.kernels.blocks import unpack_codes
 
 HAS_CC = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
 IMPLEMENTATIONS = [
@@ -29,6 +30,8 @@ CASES = [
     ("codebook8", torch.float32, True, 2),
     ("codebook8", torch.bfloat16, False, 0),
     ("codebook8", torch.float16, True, 0),
+    ("codebook4", torch.float32, False, 0),
+    ("codebook4", torch.bfloat16, True, 2),
     ("none", torch.float32, False, 0),
 ]
 
@@ -52,7 +55,7 @@ def _optimizer(params, fused: bool, codec: str, stochastic: bool, refresh: int) 
         lr=1e-2,
         weight_decay=0.1,
         momentum_codec=codec,
-        stochastic_round=stochastic and codec == "codebook8",
+        stochastic_round=stochastic and codec != "none",
         codebook_refresh_every=refresh,
         fused=fused,
     )
@@ -83,12 +86,20 @@ def _step_both(pair, step: int) -> None:
         optimizer.step()
 
 
+def _indices(optimizer: Gefen, entry) -> torch.Tensor:
+    """The entry's codebook indices, one per element (codebook4 packs two per byte)."""
+    codes = entry["momentum_codes"]
+    if optimizer.codebook is None or optimizer.codebook.numel() == 256:
+        return codes.int()
+    return unpack_codes(codes, entry["period"]).int()
+
+
 def _assert_one_step_parity(pair) -> None:
     (params, eager), (twin, fused) = pair
     for p, q in zip(params, twin, strict=True):
         a, b = eager.state[p], fused.state[q]
         if "momentum_codes" in a:
-            difference = (a["momentum_codes"].int() - b["momentum_codes"].int()).abs()
+            difference = (_indices(eager, a) - _indices(fused, b)).abs()
             assert float((difference == 0).float().mean()) >= 0.9999
             assert int(difference.max()) <= 1
             torch.testing.assert_close(a["momentum_scale"], b["momentum_scale"], rtol=1e-6, atol=0)
@@ -220,11 +231,14 @@ def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
     assert isinstance(optimizer._kernel(optimizer.param_groups[0], params[0]), FusedUpdater)
 
 
-@pytest.mark.parametrize("implementation", ["native", "inductor"])
+@pytest.mark.parametrize(
+    ("implementation", "size"), [("native", 256), ("inductor", 256), ("inductor", 16)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [None, (4, 2)])
-def test_fused_momentum_matches_the_eager_reference(implementation, dtype, seed) -> None:
-    # GefenMuon's step 1 (gefen.core.fused.MomentumAdvancer), both implementations.
+def test_fused_momentum_matches_the_eager_reference(implementation, size, dtype, seed) -> None:
+    # GefenMuon's step 1 (gefen.core.fused.MomentumAdvancer), both implementations; a
+    # 16-value codebook keeps two codes per byte (codebook4), here of an odd period.
     from gefen.core.updaters import eager_advance_momentum_
 
     if implementation == "native":
@@ -236,17 +250,24 @@ def test_fused_momentum_matches_the_eager_reference(implementation, dtype, seed)
     else:
         advance = FusedMomentum("cpu")
     generator = torch.Generator().manual_seed(5)
-    codebook = torch.sort(torch.rand(254, generator=generator) * 2 - 1).values
+    codebook = torch.sort(torch.rand(size - 2, generator=generator) * 2 - 1).values
     codebook = torch.cat([torch.tensor([-1.0]), codebook, torch.tensor([1.0])])
-    codes = torch.randint(0, 256, (12, 1536), dtype=torch.uint8, generator=generator)
+    period = 1536 if size == 256 else 1535
+    width = period if size == 256 else (period + 1) // 2
+    codes = torch.randint(0, 256, (12, width), dtype=torch.uint8, generator=generator)
+    if size == 16:
+        codes[:, -1] &= 15  # an odd block's unused high nibble is 0
     scale = torch.rand(12, 1, generator=generator)
     twin_codes, twin_scale = codes.clone(), scale.clone()
     for _ in range(3):
-        grad = torch.randn(12, 1536, generator=generator).to(dtype)
+        grad = torch.randn(12, period, generator=generator).to(dtype)
         want = eager_advance_momentum_(grad, codes, scale, codebook, 0.05, seed)
         with torch.no_grad():
             got = advance(grad, twin_codes, twin_scale, codebook, 0.05, seed)
-        difference = (codes.int() - twin_codes.int()).abs()
+        if size == 16:
+            difference = (unpack_codes(codes, period) - unpack_codes(twin_codes, period)).abs()
+        else:
+            difference = (codes.int() - twin_codes.int()).abs()
         assert float((difference == 0).float().mean()) >= 0.9999
         assert int(difference.max()) <= 1
         torch.testing.assert_close(scale, twin_scale, rtol=1e-6, atol=0)

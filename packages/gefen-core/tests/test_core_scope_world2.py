@@ -625,7 +625,7 @@ def scenario_refresh_codes(rank: int, world_size: int, crafted: bool) -> dict[st
     original = scoped_module.solve_new_codebook
     grids = [old_grid]
 
-    def solve(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def solve(counts: torch.Tensor, device: torch.device, size: int = 256) -> torch.Tensor:
         return torch.tensor(grids[0], dtype=torch.float32, device=device)
 
     if crafted:

@@ -270,7 +270,7 @@ def test_periodic_refresh_failure_inside_step_changes_nothing(monkeypatch) -> No
     codebook = optimizer.codebook
     calls: list[int] = []
 
-    def failing(counts, device):
+    def failing(counts, device, size=256):
         calls.append(optimizer.global_step)
         raise MemoryError("injected refresh failure")
 

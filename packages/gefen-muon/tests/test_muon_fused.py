@@ -105,7 +105,7 @@ def test_fused_momentum_matches_the_eager_reference(dtype: torch.dtype, stochast
 
     _run(eager_params, eager, 1, seed=20)
     _run(fused_params, fused, 1, seed=20)
-    assert fused._momentum_kernels[("cpu", True)] is not None  # the fused path ran
+    assert fused._momentum_kernels[("cpu", True, 256)] is not None  # the fused path ran
     codes_e, codes_f = _codes(eager), _codes(fused)
     assert (codes_e == codes_f).float().mean().item() >= 0.9999
     assert (codes_e - codes_f).abs().max().item() <= 1
@@ -127,7 +127,7 @@ def test_default_selects_the_fused_momentum_once_per_device_type(
     calls: list[str] = []
     real = fused_module.fused_momentum
 
-    def counting(device_type: str) -> Any:
+    def counting(device_type: str, codebook_size: int = 256) -> Any:
         calls.append(device_type)
         return real(device_type)
 
@@ -138,7 +138,7 @@ def test_default_selects_the_fused_momentum_once_per_device_type(
         warnings.simplefilter("error")  # no fallback warning where compile works
         _run(params, optimizer, 3, seed=0)
     assert calls == ["cpu"]  # selected in the first preflight, then cached
-    assert optimizer._momentum_kernels[("cpu", None)] is not None
+    assert optimizer._momentum_kernels[("cpu", None, 256)] is not None
     # The same numbers as fused=True (same kernel), and a second instance selects again.
     explicit_params = _params(torch.float32)
     explicit = GefenMuon(explicit_params, fused=True, **FAST)
@@ -147,7 +147,7 @@ def test_default_selects_the_fused_momentum_once_per_device_type(
     assert torch.equal(_values(params), _values(explicit_params))
 
 
-def _failing(device_type: str) -> Any:
+def _failing(device_type: str, codebook_size: int = 256) -> Any:
     raise RuntimeError("no compiler here")
 
 
@@ -172,7 +172,7 @@ def test_fused_true_compile_failure_raises_in_the_preflight_and_changes_nothing(
     assert not optimizer._commit_failed
     monkeypatch.undo()
     _trains(params, optimizer)
-    assert optimizer._momentum_kernels[("cpu", True)] is not None
+    assert optimizer._momentum_kernels[("cpu", True, 256)] is not None
 
 
 @pytest.mark.fused_default
@@ -208,7 +208,7 @@ def test_kernel_cache_is_per_instance_and_never_serialized() -> None:
     params = _params(torch.float32)
     optimizer = GefenMuon(params, fused=True, **FAST)
     _run(params, optimizer, 2, seed=0)
-    assert set(optimizer._momentum_kernels) == {("cpu", True)}
+    assert set(optimizer._momentum_kernels) == {("cpu", True, 256)}
     assert "_momentum_kernels" not in optimizer.__getstate__()
     restored = pickle.loads(pickle.dumps(optimizer))
     assert restored._momentum_kernels == {}
@@ -218,7 +218,7 @@ def test_kernel_cache_is_per_instance_and_never_serialized() -> None:
     _run(params, optimizer, 1, seed=40)
     _run(twin_params, twin, 1, seed=40)
     assert torch.equal(_values(params), _values(twin_params))  # the copy steps identically
-    assert twin._momentum_kernels[("cpu", True)] is not None
+    assert twin._momentum_kernels[("cpu", True, 256)] is not None
 
 
 def test_fused_resume_is_bit_exact() -> None:

@@ -111,7 +111,7 @@ def test_fused_is_selected_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[tuple[int, ...]] = []
 
-    def counting(device_type: str) -> Any:
+    def counting(device_type: str, codebook_size: int = 256) -> Any:
         def advance(grad_blocks: torch.Tensor, *args: Any) -> Any:
             calls.append(tuple(grad_blocks.shape))
             return eager_advance_momentum_(grad_blocks, *args)

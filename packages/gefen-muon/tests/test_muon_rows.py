@@ -23,9 +23,9 @@ WORLD = 2
 SHAPES = [(6, 8), (8, 12), (4, 16)]  # one block per row, rows on both ranks
 
 
-def _trained(steps: range, seed: int = 3) -> tuple[Any, Any]:
+def _trained(steps: range, seed: int = 3, codec: str = "codebook8") -> tuple[Any, Any]:
     model = mt.sharded(mt.shared_mesh(WORLD), mt.fulls(SHAPES, 1))
-    optimizer = mt.sharded_muon(model, sharded_mode="distributed")
+    optimizer = mt.sharded_muon(model, sharded_mode="distributed", momentum_codec=codec)
     _train(model, optimizer, steps, seed)
     return model, optimizer
 
@@ -46,14 +46,14 @@ def _local_bytes(value: Any) -> int:
     return 0
 
 
-def scenario_round_trip(rank: int, world: int) -> dict[str, Any]:
+def scenario_round_trip(rank: int, world: int, codec: str = "codebook8") -> dict[str, Any]:
     from gefen.core.testing import gathered
 
-    model, optimizer = _trained(range(3))
+    model, optimizer = _trained(range(3), codec=codec)
     sd = optimizer.state_dict()
     full = gathered(sd)
     fresh_model = mt.sharded(mt.shared_mesh(world), mt.full_params(model))
-    fresh = mt.sharded_muon(fresh_model, sharded_mode="distributed")
+    fresh = mt.sharded_muon(fresh_model, sharded_mode="distributed", momentum_codec=codec)
     fresh.load_state_dict(mt.round_trip(sd)[1])
     owned = mt.owned(fresh, fresh_model)
     pairs = list(zip(model.parameters(), fresh_model.parameters(), strict=True))
@@ -67,6 +67,9 @@ def scenario_round_trip(rank: int, world: int) -> dict[str, Any]:
         "owner_kept": [kept[i] for i in owned],
         "non_owner_keys": others,
         "bitwise": mt.bits_equal(mt.full_params(model), mt.full_params(fresh_model)),
+        "code_shapes": [
+            tuple(full["state"][i]["momentum_codes"].shape) for i in range(len(SHAPES))
+        ],
     }
 
 
@@ -138,17 +141,33 @@ def scenario_misfits(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world() -> Any:
-    scenarios = [("round_trip", scenario_round_trip, ()), ("misfits", scenario_misfits, ())]
+    scenarios = [
+        ("round_trip", scenario_round_trip, ()),
+        ("round_trip_q4", scenario_round_trip, ("codebook4",)),
+        ("misfits", scenario_misfits, ()),
+    ]
     return run_scenarios(scenarios, WORLD, rank_deadline_s=240.0)
 
 
-def test_a_save_holds_half_the_state_on_each_rank(world: Any) -> None:
-    for presented, full in (result["bytes"] for result in world["round_trip"]):
+@pytest.mark.parametrize("run", ["round_trip", "round_trip_q4"])
+def test_a_save_holds_half_the_state_on_each_rank(world: Any, run: str) -> None:
+    for presented, full in (result["bytes"] for result in world[run]):
         assert presented * WORLD == full
 
 
-def test_the_rows_load_into_a_fresh_optimizer_and_resume_bit_identically(world: Any) -> None:
-    for rank, result in enumerate(world["round_trip"]):
+def test_codebook4_rows_hold_two_codes_per_byte(world: Any) -> None:
+    expected = [(rows, cols // 2) for rows, cols in SHAPES]
+    assert [result["code_shapes"] for result in world["round_trip_q4"]] == [expected] * WORLD
+    eight = [result["bytes"][1] for result in world["round_trip"]]
+    four = [result["bytes"][1] for result in world["round_trip_q4"]]
+    assert all(q4 < 0.75 * q8 for q4, q8 in zip(four, eight, strict=True))
+
+
+@pytest.mark.parametrize("run", ["round_trip", "round_trip_q4"])
+def test_the_rows_load_into_a_fresh_optimizer_and_resume_bit_identically(
+    world: Any, run: str
+) -> None:
+    for rank, result in enumerate(world[run]):
         assert result["owned"] == [i for i in range(len(SHAPES)) if i % WORLD == rank]
         assert result["owner_kept"] == [True] * len(result["owned"])
         assert result["non_owner_keys"] == ["period"]

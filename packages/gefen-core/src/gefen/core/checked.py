@@ -109,7 +109,7 @@ def _codec_mismatch(
     group is fixed once its state exists: the step would misread the other codec's tensors."""
     if not is_initialized(entry) or (keys.codes in entry) == group_uses_codebook(group):
         return None
-    held = "codebook8 codes" if keys.codes in entry else "an fp32 momentum"
+    held = "codebook codes" if keys.codes in entry else "an fp32 momentum"
     return (
         f"the group's momentum_codec is {group.get('momentum_codec')!r} but the state holds "
         f"{held}; a group's codec cannot change once its state exists (load a checkpoint "

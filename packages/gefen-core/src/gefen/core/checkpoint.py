@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.deferred import assemble_pending
-from gefen.core.options import group_uses_codebook
+from gefen.core.options import codebook_size, group_uses_codebook
 from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.resharding import check_row_periods
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
@@ -210,7 +210,8 @@ class _Loader:
         loaded: dict[str, Any] = extras
         if self.optimizer.TEMPLATE_COMPLETE and loaded.get("format_version") == TEMPLATE_FORMAT:
             try:
-                loaded = absorb_extras(loaded, sum(len(group["params"]) for group in groups))
+                count = sum(len(group["params"]) for group in groups)
+                loaded = absorb_extras(loaded, count, codebook_size(self.optimizer.param_groups))
             except ValueError as error:
                 raise self.reject(str(error)) from None
         self.check_extras(loaded)
@@ -264,7 +265,7 @@ class _Loader:
         if not self.optimizer.uses_codebook:
             raise self.reject("momentum_codec 'none' holds no codebook")
         try:
-            validate_codebook(codebook)
+            validate_codebook(codebook, codebook_size(self.optimizer.param_groups))
         except ValueError as error:
             raise self.reject(f"invalid codebook: {error}") from None
 

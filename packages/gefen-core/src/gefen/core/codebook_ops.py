@@ -24,7 +24,7 @@ from gefen.core.learning import (
     solve_new_codebook,
     stage_periods,
 )
-from gefen.core.options import group_uses_codebook
+from gefen.core.options import codebook_size, group_uses_codebook
 from gefen.core.resharding import summed_over
 from gefen.core.scoped import scoped_learn, scoped_refresh_table
 from gefen.dist import PHASE_INITIALIZE_PREAMBLE, PHASE_REFRESH_PREAMBLE, GuardedOperation
@@ -54,7 +54,7 @@ def _stage_new_periods(opt: ShellInterface, inputs: list[CodebookInput]) -> dict
 
 
 def _coded(opt: ShellInterface, inputs: list[CodebookInput]) -> list[CodebookInput]:
-    """The inputs of codebook8 groups: a group keeping fp32 momentum picks a period (it is
+    """The inputs of codebook groups: a group keeping fp32 momentum picks a period (it is
     the layout of its second moment) but does not shape the codebook."""
     coded = {index for index, group, _ in opt.indexed_params() if group_uses_codebook(group)}
     return [item for item in inputs if item[0] in coded]
@@ -71,7 +71,8 @@ def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning
     if not any_nonzero_agreed(counts, op.scope):
         return StagedLearning(noop=True)
     device = inputs[0][1].device if inputs else torch.device("cpu")
-    return StagedLearning(periods=periods, codebook=solve_new_codebook(counts, device))
+    codebook = solve_new_codebook(counts, device, codebook_size(opt.param_groups))
+    return StagedLearning(periods=periods, codebook=codebook)
 
 
 def _refreshed(
@@ -80,7 +81,7 @@ def _refreshed(
     inputs: list[CodebookInput],
     staged: Mapping[int, int],
 ) -> tuple[Tensor, Tensor] | None:
-    """§5.6 steps 1–3: a new codebook and the 256-entry remap table, or None (empty)."""
+    """§5.6 steps 1–3: a new codebook and the 256-entry byte remap table, or None (empty)."""
     current = opt.codebook
     assert current is not None
     if _scoped(opt, op):
@@ -93,7 +94,7 @@ def _refreshed(
     )
     if not bool(counts.sum().item() > 0):
         return None
-    new_codebook = solve_new_codebook(counts, current.device)
+    new_codebook = solve_new_codebook(counts, current.device, codebook_size(opt.param_groups))
     return new_codebook, remap_table(current, new_codebook)
 
 

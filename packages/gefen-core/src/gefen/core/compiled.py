@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.kernels import fused_update as kernels
+from gefen.core.kernels.blocks import PACKED_CODEBOOK_SIZE, code_bytes, is_packed
 from gefen.core.updaters import (
     CHUNK_ELEMENTS,
     CodebookTables,
@@ -113,7 +114,8 @@ class FusedUpdater:
         stream = stream_tensor(scalars.seed, device)
         factored = "v_row" in entry
         stochastic = scalars.seed is not None
-        variant = (param.dtype, grad.dtype, len(keys), stochastic, window, flags)
+        packed = bool(codebooks) and is_packed(codebooks[0])
+        variant = (param.dtype, grad.dtype, len(keys), stochastic, window, flags, packed)
         if factored:
             moments = _compiled(kernels.factored_moments_, self._device_type, (grad.dtype,))
             normaliser = moments(grad.reshape(param.shape), entry["v_row"], entry["v_col"], hp)
@@ -125,7 +127,7 @@ class FusedUpdater:
             chunk = slice(first_row, min(blocks, first_row + rows))
             first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
             state = tuple(entry[key][chunk] for key in keys)
-            rounding = (window, stochastic, stream, first)
+            rounding = (window, stochastic, stream, first, packed)
             inputs = (param_blocks[chunk], grad_blocks[chunk], state)
             if factored:
                 elements = (chunk.stop - chunk.start) * period
@@ -156,14 +158,16 @@ class FusedMomentum:
         weight: float,
         seed: tuple[int, int] | None,
     ) -> Tensor:
-        blocks, period = codes.shape
+        blocks = codes.shape[0]
+        period = grad.numel() // blocks
+        packed = is_packed(codebook)
         device = codes.device
         table, window = self._tables.get(codebook)
         stream = stream_tensor(seed, device)
         weight_tensor = torch.tensor(weight, dtype=torch.float32, device=device)
         grad_blocks = grad.reshape(blocks, period)
         out = torch.empty(blocks, period, dtype=torch.float32, device=device)
-        variant = (seed is not None, window)
+        variant = (seed is not None, window, packed)
         function = _compiled(kernels.advance_momentum_, self._device_type, variant)
         rows = max(1, CHUNK_ELEMENTS // period)
         # Every chunk reaches the compiled function in one form (a slice of one fp32 staging
@@ -173,7 +177,7 @@ class FusedMomentum:
         for first_row in range(0, blocks, rows):
             chunk = slice(first_row, min(blocks, first_row + rows))
             first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
-            rounding = (window, seed is not None, stream, first)
+            rounding = (window, seed is not None, stream, first, packed)
             state = (codes[chunk], scale[chunk])
             gradient = staging[: chunk.stop - chunk.start]
             gradient.copy_(grad_blocks[chunk])
@@ -209,9 +213,11 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
     param = torch.zeros(4, 8, dtype=dtype, device=device)
     entry: dict[str, Any] = {"period": 8, "step": 0, "v_step": 0}
     codebook = None
-    if codec == "codebook8":
-        codebook = torch.linspace(-1.0, 1.0, 256, device=device)
-        entry["momentum_codes"] = torch.zeros(4, 8, dtype=torch.uint8, device=device)
+    if codec in ("codebook8", "codebook4"):
+        size = PACKED_CODEBOOK_SIZE if codec == "codebook4" else 256
+        codebook = torch.linspace(-1.0, 1.0, size, device=device)
+        width = code_bytes(8, packed=codec == "codebook4")
+        entry["momentum_codes"] = torch.zeros(4, width, dtype=torch.uint8, device=device)
         entry["momentum_scale"] = torch.zeros(4, 1, device=device)
     else:
         entry["momentum"] = torch.zeros(4, 8, device=device)
@@ -232,13 +238,15 @@ def inductor_updater(device_type: str, key: KernelKey) -> Updater:
     return updater
 
 
-def compiled_momentum(device_type: str) -> MomentumAdvancer:
-    """A compiled ``MomentumAdvancer`` for ``device_type``, proven on a tiny input first."""
+def compiled_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdvancer:
+    """A compiled ``MomentumAdvancer`` for ``device_type`` and a codebook of
+    ``codebook_size`` values, proven on a tiny input first."""
     advance = FusedMomentum(device_type)
     device = torch.device(device_type)
-    codes = torch.zeros(2, 8, dtype=torch.uint8, device=device)
+    width = code_bytes(8, packed=codebook_size <= PACKED_CODEBOOK_SIZE)
+    codes = torch.zeros(2, width, dtype=torch.uint8, device=device)
     scale = torch.zeros(2, 1, device=device)
-    codebook = torch.linspace(-1.0, 1.0, 256, device=device)
+    codebook = torch.linspace(-1.0, 1.0, codebook_size, device=device)
     with torch.no_grad():
         advance(torch.ones(2, 8, device=device), codes, scale, codebook, 0.05, None)
     return advance

@@ -27,7 +27,7 @@ from gefen.contracts import (
     StateVariant,
     TrainingSupport,
 )
-from gefen.core.options import group_codecs
+from gefen.core.options import CODEBOOK_CODECS, VARIANT_PREFIX, group_codecs
 
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
@@ -77,7 +77,12 @@ def _fields() -> tuple[StateField, ...]:
         extras_field("the extras: format, global step, codebook slot, flags, initialized flags"),
         parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
         parameter_field("step", StateGeometry.SCALAR, "momentum age"),
-        parameter_field("momentum_codes", StateGeometry.BLOCK, _SLOTS.format("uint8 indices")),
+        parameter_field(
+            "momentum_codes",
+            StateGeometry.BLOCK,
+            _SLOTS.format("uint8 indices")
+            + "; codebook4: two 4-bit indices per byte, (B, ceil(P/2)), flat in the slot",
+        ),
         parameter_field("momentum_scale", StateGeometry.BLOCK, "fp32 block maxima (B, 1)" + _SLOT),
         parameter_field("momentum", StateGeometry.BLOCK, _SLOTS.format("codec none, fp32")),
         parameter_field("v_block", StateGeometry.BLOCK, "fp32 block second moment (B, 1)" + _SLOT),
@@ -87,9 +92,9 @@ def _fields() -> tuple[StateField, ...]:
     )
 
 
-def _variants(codecs: tuple[bool, ...], factored: bool) -> tuple[StateVariant, ...]:
-    """The uninitialized variant, then each codec's (``codecs``: codebook8 or not, for every
-    codec some group keeps)."""
+def _variants(codecs: tuple[str, ...], factored: bool) -> tuple[StateVariant, ...]:
+    """The uninitialized variant, then each codec's (``codecs``: every codec some group
+    keeps)."""
     variants = [
         StateVariant(
             name="uninitialized",
@@ -99,14 +104,15 @@ def _variants(codecs: tuple[bool, ...], factored: bool) -> tuple[StateVariant, .
             initialized=False,
         )
     ]
-    for codebook8 in codecs:
-        variants += _codec_variants(codebook8, factored)
+    for codec in codecs:
+        variants += _codec_variants(codec, factored)
     return tuple(variants)
 
 
-def _codec_variants(codebook8: bool, factored: bool) -> list[StateVariant]:
-    prefix = "q8" if codebook8 else "fp32"
-    momentum = ("momentum_codes", "momentum_scale") if codebook8 else ("momentum",)
+def _codec_variants(codec: str, factored: bool) -> list[StateVariant]:
+    prefix = VARIANT_PREFIX[codec]
+    coded = codec in CODEBOOK_CODECS
+    momentum = ("momentum_codes", "momentum_scale") if coded else ("momentum",)
     block_fields = ("period", "step", *momentum, "v_block", "v_step")
     variants = [
         StateVariant(

@@ -19,7 +19,9 @@ built on the shell uses the same list. Names are grouped by what they are for:
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
-  ``group_uses_codebook``, ``group_codecs`` (a group's own ``momentum_codec``), ``lr_value``,
+  ``group_uses_codebook``, ``group_codecs`` (a group's own ``momentum_codec``),
+  ``check_group_codec``, ``codes_per_byte``, ``variant_prefix``, ``CODEBOOK_CODECS``,
+  ``VARIANT_PREFIX`` (codebook8 and codebook4), ``lr_value``,
   ``amp_scaling_supported``, ``check_finite_gradients``, ``validate_gradient_structure``,
   ``is_dtensor``, ``local_tensor``, ``parameter_label``;
 * contracts: ``api_flags``, ``extras_field``, ``finalized_training``, ``parameter_field``.
@@ -39,12 +41,17 @@ from gefen.core.kernels import row_period, select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.loading import stage_entries, stage_entry
 from gefen.core.options import (
+    CODEBOOK_CODECS,
+    VARIANT_PREFIX,
     check_flag,
+    check_group_codec,
     check_lr,
     check_optimizer_wide,
+    codes_per_byte,
     group_codecs,
     group_uses_codebook,
     lr_value,
+    variant_prefix,
 )
 from gefen.core.participant import ShellInterface
 from gefen.core.resharding import every_rank_has_rows, local_rows, row_sharded_mesh
@@ -70,8 +77,10 @@ from gefen.core.validation import (
 )
 
 __all__ = [
+    "CODEBOOK_CODECS",
     "STEP_SIGNATURE",
     "TEMPLATE_FORMAT",
+    "VARIANT_PREFIX",
     "CodebookInput",
     "CodecKeys",
     "EntrySpec",
@@ -89,8 +98,10 @@ __all__ = [
     "api_flags",
     "check_finite_gradients",
     "check_flag",
+    "check_group_codec",
     "check_lr",
     "check_optimizer_wide",
+    "codes_per_byte",
     "copy_containers",
     "eager_advance_momentum_",
     "every_rank_has_rows",
@@ -116,13 +127,15 @@ __all__ = [
     "stage_entry",
     "torch_indices",
     "validate_gradient_structure",
+    "variant_prefix",
 ]
 
 
-def fused_momentum(device_type: str) -> MomentumAdvancer:
-    """A fused ``MomentumAdvancer`` for ``device_type`` (proven on a tiny input; raises when
-    none builds). Looked up in ``gefen.core.fused`` at each call, so a test's patch applies."""
-    return _fused.fused_momentum(device_type)
+def fused_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdvancer:
+    """A fused ``MomentumAdvancer`` for ``device_type`` and a ``codebook_size``-value codebook
+    (proven on a tiny input; raises when none builds). Looked up in ``gefen.core.fused`` at
+    each call, so a test's patch applies."""
+    return _fused.fused_momentum(device_type, codebook_size)
 
 
 def resolve_default(fused: bool | None) -> bool | None:

@@ -34,11 +34,12 @@ __all__ = [
 logger = logging.getLogger("gefen.core")
 
 
-def fused_momentum(device_type: str) -> MomentumAdvancer:
-    """A fused ``MomentumAdvancer`` for ``device_type``, proven on a tiny input first (so a
-    build failure surfaces where the caller selects it); raises on failure. On the CPU the
-    native kernel when it builds, else (and elsewhere) the compiled one."""
-    if device_type == "cpu":
+def fused_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdvancer:
+    """A fused ``MomentumAdvancer`` for ``device_type`` and a codebook of ``codebook_size``
+    values, proven on a tiny input first (so a build failure surfaces where the caller selects
+    it); raises on failure. On the CPU the native kernel (256 values) when it builds, else (and
+    elsewhere) the compiled one."""
+    if device_type == "cpu" and codebook_size == 256:
         try:
             from gefen.core.native import native_momentum
 
@@ -47,7 +48,7 @@ def fused_momentum(device_type: str) -> MomentumAdvancer:
             logger.info("native momentum kernel unavailable, using inductor: %s", error)
     from gefen.core.compiled import compiled_momentum
 
-    return compiled_momentum(device_type)
+    return compiled_momentum(device_type, codebook_size)
 
 
 # -- the registry and the per-optimizer selection --------------------------------------------
@@ -127,7 +128,7 @@ for _device_type in ("cpu", "cuda"):
             "inductor",
             _device_type,
             _ALL_DTYPES,
-            ("codebook8", "none"),
+            ("codebook8", "codebook4", "none"),
             ("block", "factored"),
             True,  # no atomics: every reduction has a fixed order
             lambda key, device_type=_device_type: _compile_inductor(device_type, key),  # type: ignore[misc]

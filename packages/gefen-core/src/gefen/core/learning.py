@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from gefen.core.kernels import BIN_COUNT, histogram, nearest_index, pad_codebook, solve_codebook
+from gefen.core.kernels.blocks import PACKED_CODEBOOK_SIZE
+from gefen.core.state import CODEBOOK_SIZE
 from gefen.dist import Channel, any_true_over
-
-CODEBOOK_SIZE = 256
 
 __all__ = [
     "CodebookInput",
@@ -41,8 +41,8 @@ class StagedLearning:
     """What phase 4 (or initialize/refresh) learned, to be published at commit.
 
     ``periods``: new periods by flat index; ``codebook``: a codebook to publish (None keeps the
-    live one); ``remap``: a refresh's 256-entry table ``L`` (int64), applied to every code
-    tensor in place at commit, one parameter at a time; ``noop``: the pre-initialization no-op
+    live one); ``remap``: a refresh's 256-entry byte table ``L`` (int64), applied to every
+    code tensor in place at commit, one parameter at a time; ``noop``: the pre-initialization no-op
     of §5.5 (nothing is staged then). Nothing here is proportional to the model.
     """
 
@@ -96,8 +96,9 @@ def any_nonzero_agreed(counts: Tensor, scope: Sequence[Channel]) -> bool:
     return any_true_over(tuple(scope), local)
 
 
-def solve_new_codebook(counts: Tensor, device: torch.device) -> Tensor:
-    """Solve §5.2–§5.3 and place the codebook on ``device`` (the first contributing one).
+def solve_new_codebook(counts: Tensor, device: torch.device, size: int = CODEBOOK_SIZE) -> Tensor:
+    """Solve §5.2–§5.3 for a ``size``-value codebook (256, or 16 for codebook4) and place it on
+    ``device`` (the first contributing one).
 
     Under a non-empty failure scope "learn" is agreed by a MAX over the ranks, so a rank whose
     own shards are all zero (or empty) must still publish a codebook in the same step, or its
@@ -106,14 +107,20 @@ def solve_new_codebook(counts: Tensor, device: torch.device) -> Tensor:
     """
     if int(counts.sum()) == 0:
         no_active_bins = np.zeros(0, dtype=np.int64)
-        padded = pad_codebook(no_active_bins, CODEBOOK_SIZE)
+        padded = pad_codebook(no_active_bins, size)
         return torch.from_numpy(padded).to(dtype=torch.float32, device=device)
-    return solve_codebook(counts).to(device)
+    return solve_codebook(counts, size).to(device)
 
 
 def remap_table(old_codebook: Tensor, new_codebook: Tensor) -> Tensor:
-    """§5.6 step 3: ``L[i] = nearest(cb', cb[i])`` for i in 0..255 (int64, on cb's device)."""
-    return nearest_index(new_codebook, old_codebook.to(new_codebook.device)).to(torch.int64)
+    """§5.6 step 3: ``L[i] = nearest(cb', cb[i])`` for every index i (int64, on cb's device),
+    as a table over code bytes: for 4-bit codes ``L'[b] = L[b & 15] | L[b >> 4] << 4`` for b in
+    0..255, so one byte lookup remaps both codes it holds."""
+    table = nearest_index(new_codebook, old_codebook.to(new_codebook.device)).to(torch.int64)
+    if new_codebook.numel() > PACKED_CODEBOOK_SIZE:
+        return table
+    byte = torch.arange(256, device=table.device)
+    return table[byte & 15] | (table[byte >> 4] << 4)
 
 
 _REMAP_CHUNK = 1 << 20

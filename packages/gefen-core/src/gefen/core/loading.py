@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gefen.core.options import group_uses_codebook
+from gefen.core.options import variant_prefix
 from gefen.core.state import (
     EntrySpec,
     copy_entry,
@@ -59,7 +59,7 @@ def stage_entry(
     finish: EntryFinisher | None = None,
 ) -> dict[str, Any]:
     """One saved entry (or None) checked, copied to its parameter's device, and finished."""
-    prefix = "q8" if group_uses_codebook(group) else "fp32"
+    prefix = variant_prefix(group)
     if saved is None:
         return {"period": 0}
     spec = optimizer.entry_spec(group, param)
@@ -69,7 +69,7 @@ def stage_entry(
     if variant.split("_")[0] != prefix:
         raise ValueError(f"{where}: the entry belongs to the other momentum codec ({variant})")
     entry = copy_entry(saved, local_tensor(param).device)
-    if prefix == "q8":
+    if prefix != "fp32":
         # An entry saved before its optimizer recorded these: record them now (they matched).
         for key, value in spec.recorded_ints.items():
             entry.setdefault(key, value)

@@ -20,7 +20,9 @@ from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import (
     GEFEN_OPTIMIZER_WIDE,
     check_betas,
+    check_group_codec,
     check_optimizer_wide,
+    codes_per_byte,
     group_uses_codebook,
     validate_gefen_options,
 )
@@ -165,6 +167,8 @@ class Gefen(OptimizerShell):
     def validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
         validate_gefen_options(group)
+        others = self.__dict__.get("param_groups") or []
+        check_group_codec(group, others, self.__dict__.get("_codebook"), self.OWNER_NAME)
         if group["fused"] is True:
             for param in group["params"]:
                 device_type = local_tensor(param).device.type
@@ -192,6 +196,7 @@ class Gefen(OptimizerShell):
             dense_dtype=torch.float32,
             dense_shape=None,
             second_moment=self._family(group, param),
+            codes_per_byte=codes_per_byte(group),
         )
 
     def codebook_inputs(self, operation: GuardedOperation) -> list[CodebookInput]:

@@ -14,21 +14,31 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CODEBOOK_CODECS",
     "CODECS",
     "GEFEN_FLAGS",
     "GEFEN_GROUP_OPTIONS",
     "GEFEN_OPTIMIZER_WIDE",
+    "VARIANT_PREFIX",
     "check_betas",
     "check_flag",
+    "check_group_codec",
     "check_lr",
     "check_optimizer_wide",
+    "codebook_size",
+    "codes_per_byte",
     "group_codecs",
     "group_uses_codebook",
     "lr_value",
     "validate_gefen_options",
+    "variant_prefix",
 ]
 
-CODECS = ("codebook8", "none")
+CODECS = ("codebook8", "codebook4", "none")
+CODEBOOK_CODECS: dict[str, int] = {"codebook8": 256, "codebook4": 16}
+"""The codecs that keep codes into the learned codebook, and that codebook's size."""
+VARIANT_PREFIX: dict[str, str] = {"codebook8": "q8", "codebook4": "q4", "none": "fp32"}
+"""Each codec's prefix in the state-variant names (``q4_factored``, ``fp32_block``, ...)."""
 GEFEN_GROUP_OPTIONS = (
     "lr",
     "betas",
@@ -111,22 +121,71 @@ def _check_codec(options: Mapping[str, Any], *, constructor: bool) -> None:
     if not isinstance(codec, str) or codec not in CODECS:
         raise ValueError(f"momentum_codec must be one of {CODECS}, got {codec!r}")
     if codec == "none" and options["stochastic_round"]:
-        raise ValueError("stochastic_round requires momentum_codec='codebook8'")
-    # A group with fp32 momentum may sit beside codebook8 groups whose codebook is refreshed;
+        raise ValueError("stochastic_round requires momentum_codec='codebook8' or 'codebook4'")
+    # A group with fp32 momentum may sit beside codebook groups whose codebook is refreshed;
     # only an optimizer whose default codec is "none" has nothing to refresh.
     if constructor and codec == "none" and options["codebook_refresh_every"] > 0:
-        raise ValueError("codebook_refresh_every > 0 requires momentum_codec='codebook8'")
+        raise ValueError(
+            "codebook_refresh_every > 0 requires momentum_codec='codebook8' or 'codebook4'"
+        )
 
 
 def group_uses_codebook(group: Mapping[str, Any]) -> bool:
-    """True iff the group's momentum is codebook8 codes (its own ``momentum_codec``)."""
-    return bool(group.get("momentum_codec", "codebook8") == "codebook8")
+    """True iff the group's momentum is codes into the learned codebook (codebook8 or
+    codebook4, its own ``momentum_codec``)."""
+    return group.get("momentum_codec", "codebook8") in CODEBOOK_CODECS
 
 
-def group_codecs(groups: Sequence[Mapping[str, Any]]) -> tuple[bool, ...]:
-    """Which codecs the groups keep, codebook8 first: (True,), (False,) or (True, False)."""
-    used = {group_uses_codebook(group) for group in groups}
-    return tuple(codebook8 for codebook8 in (True, False) if codebook8 in used)
+def variant_prefix(group: Mapping[str, Any]) -> str:
+    """The prefix of the group's state variants: q8, q4 or fp32."""
+    return VARIANT_PREFIX.get(str(group.get("momentum_codec", "codebook8")), "fp32")
+
+
+def codes_per_byte(group: Mapping[str, Any]) -> int:
+    """Codes one byte of the group's momentum holds: 2 for codebook4, else 1."""
+    return 2 if group.get("momentum_codec", "codebook8") == "codebook4" else 1
+
+
+def codebook_size(groups: Sequence[Mapping[str, Any]]) -> int:
+    """The size of the one codebook the groups share: 16 when they keep codebook4 codes, else
+    256 (``check_group_codec`` keeps codebook8 and codebook4 out of one optimizer)."""
+    for group in groups:
+        if group.get("momentum_codec", "codebook8") == "codebook4":
+            return CODEBOOK_CODECS["codebook4"]
+    return CODEBOOK_CODECS["codebook8"]
+
+
+def check_group_codec(
+    group: Mapping[str, Any],
+    groups: Sequence[Mapping[str, Any]],
+    codebook: torch.Tensor | None,
+    owner: str,
+) -> None:
+    """A group's codec must fit the optimizer's one codebook: codebook8 and codebook4 never
+    share an optimizer, and a learned codebook's size is the codec's (256 or 16)."""
+    codec = group.get("momentum_codec", "codebook8")
+    if codec not in CODEBOOK_CODECS:
+        return
+    for other in groups:
+        other_codec = other.get("momentum_codec", "codebook8")
+        if other_codec in CODEBOOK_CODECS and other_codec != codec:
+            raise ValueError(
+                f"{owner}: momentum_codec {codec!r} cannot join a {other_codec!r} group in one "
+                "optimizer (its codebook groups share one codebook); use one of them, or "
+                "'none', for every group"
+            )
+    if codebook is not None and codebook.numel() != CODEBOOK_CODECS[codec]:
+        raise ValueError(
+            f"{owner}: momentum_codec {codec!r} needs a {CODEBOOK_CODECS[codec]}-value codebook "
+            f"but the learned one holds {codebook.numel()}; a codec cannot change once the "
+            "codebook is learned"
+        )
+
+
+def group_codecs(groups: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """Which codecs the groups keep, in ``CODECS`` order (a codebook codec first)."""
+    used = {str(group.get("momentum_codec", "codebook8")) for group in groups}
+    return tuple(codec for codec in CODECS if codec in used)
 
 
 def validate_gefen_options(options: Mapping[str, Any], *, constructor: bool = False) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
+from gefen.core.options import codebook_size
 from gefen.core.resharding import agree_counters, as_row_dtensors
 from gefen.core.state import is_initialized
 from gefen.core.template import (
@@ -67,7 +68,10 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
         "initialized_params": initialized,
     }
     if optimizer.TEMPLATE_COMPLETE:
-        extras.update(format_version=TEMPLATE_FORMAT, **present_codebook(codebook))
+        extras.update(
+            format_version=TEMPLATE_FORMAT,
+            **present_codebook(codebook, codebook_size(optimizer.param_groups)),
+        )
         count = sum(len(group["params"]) for group in optimizer.param_groups)
         extras["initialized_params"] = initialized_flags(initialized, count)
     scope = scope_extras(optimizer)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from gefen.contracts import ParameterLayout, ShardIdentity
 from gefen.core.learning import StagedLearning, build_histogram, remap_table, solve_new_codebook
-from gefen.core.options import group_uses_codebook
+from gefen.core.options import codebook_size, group_uses_codebook
 from gefen.dist import (
     PHASE_CODEBOOK_SOLVE,
     PHASE_LOCAL_HISTOGRAM_PREPARATION,
@@ -110,7 +110,13 @@ def scoped_learn(
     total = op.sum_int64(counts)
     if int(total.sum()) == 0:
         return None
-    candidate = op.local(PHASE_CODEBOOK_SOLVE, solve_new_codebook, total, _device(finalized))
+    candidate = op.local(
+        PHASE_CODEBOOK_SOLVE,
+        solve_new_codebook,
+        total,
+        _device(finalized),
+        codebook_size(optimizer.param_groups),
+    )
     op.agree("codebook values", fingerprint_words(codebook_fingerprint_of(candidate)))
     return StagedLearning(periods=periods, codebook=candidate)
 

@@ -350,7 +350,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     @property
     def uses_codebook(self) -> bool:
-        """True iff some group keeps codebook8 momentum (they share the one codebook)."""
+        """True iff some group keeps codebook momentum (they share the one codebook)."""
         for group in self.__dict__.get("param_groups") or [self.defaults]:  # a loop: per step
             if group_uses_codebook(group):
                 return True
@@ -440,7 +440,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     @property
     def codebook(self) -> Tensor | None:
-        """The learned fp32 codebook of 256 values, or None."""
+        """The learned fp32 codebook (256 values, 16 for codebook4), or None."""
         return self._codebook
 
     # -- checkpoints (§8) -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gefen.core.kernels.blocks import code_bytes
 from gefen.core.validation import local_tensor
 
 __all__ = [
@@ -35,15 +36,15 @@ __all__ = [
 ]
 
 CODEBOOK_SIZE = 256
-"""Entries of the one learned codebook (uint8 indices)."""
+"""Entries of the codebook8 codebook (uint8 indices); codebook4's holds 16 (4-bit indices)."""
 
 
-def validate_codebook(cb: object) -> None:
+def validate_codebook(cb: object, size: int = CODEBOOK_SIZE) -> None:
     """Raise ValueError unless ``cb`` is a valid learned or loaded codebook (docs/core.md §5.4).
 
     The rules, checked in this order: a torch.Tensor with the strided layout, holding data (not
-    on the meta device); float32; 1-D; 256
-    values; all finite; strictly increasing; ``cb[0] == -1.0``; ``cb[255] == +1.0``. The message
+    on the meta device); float32; 1-D; ``size`` values (256 for codebook8, 16 for codebook4);
+    all finite; strictly increasing; ``cb[0] == -1.0``; ``cb[size-1] == +1.0``. The message
     names the rule that failed. This is the one codebook check for Gefen and GefenMuon alike.
     """
     if not isinstance(cb, Tensor) or cb.layout != torch.strided:
@@ -57,8 +58,8 @@ def validate_codebook(cb: object) -> None:
         raise ValueError(f"codebook must be float32, got {cb.dtype}")
     if cb.dim() != 1:
         raise ValueError(f"codebook must be 1-D, got shape {tuple(cb.shape)}")
-    if cb.numel() != CODEBOOK_SIZE:
-        raise ValueError(f"codebook must hold {CODEBOOK_SIZE} values, got {cb.numel()}")
+    if cb.numel() != size:
+        raise ValueError(f"codebook must hold {size} values, got {cb.numel()}")
     values = cb.detach().cpu()
     if not bool(torch.isfinite(values).all()):
         raise ValueError("codebook values must all be finite")
@@ -67,7 +68,9 @@ def validate_codebook(cb: object) -> None:
     if float(values[0]) != -1.0:
         raise ValueError(f"codebook must start at exactly -1.0, got cb[0] = {float(values[0])!r}")
     if float(values[-1]) != 1.0:
-        raise ValueError(f"codebook must end at exactly +1.0, got cb[255] = {float(values[-1])!r}")
+        raise ValueError(
+            f"codebook must end at exactly +1.0, got cb[{size - 1}] = {float(values[-1])!r}"
+        )
 
 
 # -- the per-parameter entry (§3.2) ---------------------------------------------------------------
@@ -83,7 +86,8 @@ FAMILY_KEYS: dict[str, tuple[str, ...]] = {"block": ("v_block",), "factored": ("
 
 @dataclass(frozen=True)
 class CodecKeys:
-    """The momentum keys of a codec: codebook8 uses ``codes``/``scale``, ``"none"`` ``dense``."""
+    """The momentum keys of a codec: codebook8 and codebook4 use ``codes``/``scale``,
+    ``"none"`` ``dense``."""
 
     codes: str = "momentum_codes"
     scale: str = "momentum_scale"
@@ -102,6 +106,8 @@ class EntrySpec:
     ``recorded_ints`` are Python ints a new codebook8 entry records about its parameter (GefenMuon:
     ``matrix_cols``, since (B, P) codes alone cannot tell a (16, 8) matrix from an (8, 16) one);
     a saved entry may lack one (written before it was recorded), but one it holds must match.
+    ``codes_per_byte`` is 2 where the group keeps codebook4 codes ((B, ceil(P / 2)) bytes),
+    else 1 ((B, P)).
     """
 
     numel: int
@@ -112,6 +118,7 @@ class EntrySpec:
     second_moment: Family | None
     extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     recorded_ints: Mapping[str, int] = field(default_factory=dict)
+    codes_per_byte: int = 1
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``validate_entry`` (everything but ``entry`` and ``where``)."""
@@ -124,6 +131,7 @@ class EntrySpec:
             "second_moment": self.second_moment,
             "extra_pairs": self.extra_pairs,
             "recorded_ints": self.recorded_ints,
+            "codes_per_byte": self.codes_per_byte,
         }
 
 
@@ -219,10 +227,14 @@ def _check_momentum(check: _EntryCheck, entry: Mapping[str, Any], grid: tuple[in
         for key in (keys.codes, keys.scale):
             if key not in entry:
                 check.fail(f"missing key '{key}'")
-        check.tensor(entry, keys.codes, torch.uint8, grid)
+        packed = check.spec.codes_per_byte == 2
+        width = code_bytes(grid[1], packed=packed)
+        codes = check.tensor(entry, keys.codes, torch.uint8, (grid[0], width))
+        if check.values and packed and grid[1] % 2 and bool((codes[:, -1] >> 4).any()):
+            check.fail(f"'{keys.codes}': the unused high nibble of an odd block must be 0")
         scale = check.tensor(entry, keys.scale, torch.float32, (grid[0], 1))
         check.non_negative(keys.scale, scale)
-        return "q8"
+        return "q4" if packed else "q8"
     if keys.dense not in entry:
         check.fail(f"missing momentum key '{keys.codes}' or '{keys.dense}'")
     shape = check.spec.dense_shape if check.spec.dense_shape is not None else grid
@@ -330,19 +342,21 @@ def validate_entry(
     second_moment: Family | None,
     extra_pairs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     recorded_ints: Mapping[str, int] | None = None,
+    codes_per_byte: int = 1,
 ) -> str:
     """The one entry validator (docs/core.md §8.3); returns the matched variant name.
 
     Variants: ``"uninitialized"`` (pristine or period-selected), ``"q8_block"``,
-    ``"q8_factored"``, ``"fp32_block"``, ``"fp32_factored"``; without a second moment
-    (``second_moment=None``) ``"q8"`` or ``"fp32"``. The family is read from the entry: a family
+    ``"q8_factored"``, ``"fp32_block"``, ``"fp32_factored"`` (``"q4_…"`` for codebook4 codes,
+    ``codes_per_byte=2``); without a second moment (``second_moment=None``) ``"q8"``, ``"q4"``
+    or ``"fp32"``. The family is read from the entry: a family
     other than ``second_moment`` is accepted when it fits the parameter, so the caller can
     migrate it (§8.4); the codec is read from the momentum keys, so the caller rejects the other
     codec. Raises ValueError ``"{where}: <rule>"``; nothing is modified.
     """
     spec = EntrySpec(
         numel, matrix_shape, codec_keys, dense_dtype, dense_shape, second_moment,
-        dict(extra_pairs or {}), dict(recorded_ints or {}),
+        dict(extra_pairs or {}), dict(recorded_ints or {}), codes_per_byte,
     )  # fmt: skip
     return _validate(entry, where, spec, values=True)
 
@@ -381,12 +395,15 @@ def _family_tensors(
 def allocate_entry(
     spec: EntrySpec, period: int, *, codebook8: bool, device: torch.device
 ) -> dict[str, Any]:
-    """A new initialized entry: zero tensors, counters at 0 (incremented before use, §3.2)."""
+    """A new initialized entry: zero tensors, counters at 0 (incremented before use, §3.2).
+    ``codebook8`` means codes into the codebook (two per byte where ``spec.codes_per_byte``
+    is 2); else the dense momentum."""
     blocks = spec.numel // period
     entry: dict[str, Any] = {"period": period, "step": 0}
     keys = spec.codec_keys
     if codebook8:
-        entry[keys.codes] = torch.zeros(blocks, period, dtype=torch.uint8, device=device)
+        width = code_bytes(period, packed=spec.codes_per_byte == 2)
+        entry[keys.codes] = torch.zeros(blocks, width, dtype=torch.uint8, device=device)
         entry[keys.scale] = torch.zeros(blocks, 1, dtype=torch.float32, device=device)
         entry.update(spec.recorded_ints)
     else:

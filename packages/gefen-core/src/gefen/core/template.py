@@ -4,11 +4,13 @@ DCP loads a file by filling the tensors of a template, ``get_optimizer_state_dic
 optimizer, and refuses any tensor whose saved shape differs from the template's. A freshly built
 optimizer has no state yet, so format 2 writes every parameter's entry complete whatever its
 progress: a pristine entry is all zeros with ``step`` 0, and the codebook is a fixed slot of 256
-values with a presence flag. The tensor shapes then depend only on the parameter and its group:
+values (16 for codebook4) with a presence flag. The tensor shapes then depend only on the
+parameter and its group:
 
 - a parameter whose period its shape fixes (``template_period``) keeps its (B, P) grid;
 - a parameter whose first gradient searches the period stores its codes (and dense momentum) as
-  (N, 1) and each per-block tensor in an (N, 1) slot, the B blocks first and zeros after.
+  (N, 1) and each per-block tensor in an (N, 1) slot, the B blocks first and zeros after
+  (codebook4's B·ceil(P/2) code bytes fill their slot the same way).
 
 ``present_*`` turn the live (format 1) forms into these; ``absorb_*`` turn a loaded format 2 dict
 back into format 1 before the one entry validator runs, rejecting what does not fit.
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from gefen.core.kernels.blocks import code_bytes
 from gefen.core.options import group_uses_codebook
 from gefen.core.resharding import COUNTERS
 from gefen.core.state import CODEBOOK_SIZE, EntrySpec, allocate_entry, is_initialized
@@ -77,10 +80,10 @@ class TemplateLayout:
         return False
 
 
-def present_codebook(codebook: Tensor | None) -> dict[str, Any]:
-    """The codebook's extras keys: a copy in a 256-value slot, and whether it is learned."""
+def present_codebook(codebook: Tensor | None, size: int = CODEBOOK_SIZE) -> dict[str, Any]:
+    """The codebook's extras keys: a copy in a ``size``-value slot, and whether it is learned."""
     if codebook is None:
-        return {"codebook": torch.zeros(CODEBOOK_SIZE, dtype=torch.float32), PRESENCE_KEY: 0}
+        return {"codebook": torch.zeros(size, dtype=torch.float32), PRESENCE_KEY: 0}
     return {"codebook": codebook.detach().clone(), PRESENCE_KEY: 1}
 
 
@@ -92,10 +95,12 @@ def initialized_flags(positions: list[int], count: int) -> list[int]:
     return [int(position in marked) for position in range(count)]
 
 
-def absorb_extras(extras: Mapping[str, Any], count: int) -> dict[str, Any]:
+def absorb_extras(
+    extras: Mapping[str, Any], count: int, codebook_size: int = CODEBOOK_SIZE
+) -> dict[str, Any]:
     """Format 2 extras as format 1 (``count`` parameters listed): the codebook slot (below) and
     the initialized flags as positions."""
-    absorbed = absorb_codebook(extras)
+    absorbed = absorb_codebook(extras, codebook_size)
     flags = extras.get("initialized_params")
     if (
         not isinstance(flags, list)
@@ -107,7 +112,7 @@ def absorb_extras(extras: Mapping[str, Any], count: int) -> dict[str, Any]:
     return absorbed
 
 
-def absorb_codebook(extras: Mapping[str, Any]) -> dict[str, Any]:
+def absorb_codebook(extras: Mapping[str, Any], size: int = CODEBOOK_SIZE) -> dict[str, Any]:
     """Format 2 extras as format 1: the slot becomes the codebook or None (an absent codebook's
     slot must be untouched zeros, so a damaged flag cannot hide a codebook)."""
     absorbed = {key: value for key, value in extras.items() if key != PRESENCE_KEY}
@@ -119,23 +124,29 @@ def absorb_codebook(extras: Mapping[str, Any]) -> dict[str, Any]:
             isinstance(slot, Tensor)
             and slot.layout == torch.strided
             and not slot.is_meta
-            and slot.numel() == CODEBOOK_SIZE
+            and slot.numel() == size
             and not bool(slot.any())
         ):
-            raise ValueError(f"'{PRESENCE_KEY}' is 0 but the codebook slot is not 256 zeros")
+            raise ValueError(f"'{PRESENCE_KEY}' is 0 but the codebook slot is not {size} zeros")
         absorbed["codebook"] = None
     return absorbed
 
 
 def _grid_keys(spec: EntrySpec) -> tuple[str, ...]:
-    """Tensors shaped like the (B, P) grid (Gefen's dense momentum is; GefenMuon's is not)."""
-    keys = (spec.codec_keys.codes,)
+    """Tensors shaped like the (B, P) grid (Gefen's dense momentum is; GefenMuon's is not;
+    codebook4 codes are not: they fill the first B·ceil(P/2) values of their slot)."""
+    keys = () if spec.codes_per_byte == 2 else (spec.codec_keys.codes,)
     return keys + ((spec.codec_keys.dense,) if spec.dense_shape is None else ())
 
 
 def _block_keys(spec: EntrySpec) -> tuple[str, ...]:
     """Tensors with one row per block."""
     return (spec.codec_keys.scale, "v_block")
+
+
+def _packed_keys(spec: EntrySpec) -> tuple[str, ...]:
+    """codebook4 codes: (B, ceil(P/2)) bytes, a searched period's slot holds them flat."""
+    return (spec.codec_keys.codes,) if spec.codes_per_byte == 2 else ()
 
 
 def present_entry(
@@ -162,11 +173,11 @@ def present_entry(
     for key in _grid_keys(spec):
         if key in full:
             full[key] = full[key].reshape(spec.numel, 1)
-    for key in _block_keys(spec):
+    for key in _block_keys(spec) + _packed_keys(spec):
         if key in full:
-            rows = full[key]
-            slot = rows.new_zeros(spec.numel, 1)
-            slot[: rows.shape[0]] = rows
+            values = full[key].reshape(-1, 1)
+            slot = values.new_zeros(spec.numel, 1)
+            slot[: values.shape[0]] = values
             full[key] = slot
     return full
 
@@ -248,12 +259,16 @@ def absorb_entry(
         if key in entry:
             absorbed[key] = _slot(entry, key, spec.numel, where).reshape(-1, period)
     blocks = spec.numel // period
-    for key in _block_keys(spec):
+    width = code_bytes(period, packed=True)
+    shapes = dict.fromkeys(_block_keys(spec), (blocks, 1))
+    shapes.update(dict.fromkeys(_packed_keys(spec), (blocks, width)))
+    for key, shape in shapes.items():
         if key in entry:
             slot = _slot(entry, key, spec.numel, where)
-            if bool(_readable(slot, key, where)[blocks:].any()):
+            used = shape[0] * shape[1]
+            if bool(_readable(slot, key, where)[used:].any()):
                 raise ValueError(f"{where}: '{key}' holds values past its {blocks} blocks")
-            absorbed[key] = slot[:blocks]
+            absorbed[key] = slot[:used].reshape(shape)
     return absorbed
 
 

@@ -338,6 +338,7 @@ def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
     live form (docs/core.md §8.7)."""
     import copy
 
+    from gefen.core.options import codebook_size
     from gefen.core.saving import EXTRAS_KEY, FORMAT_VERSION, torch_indices
     from gefen.core.template import absorb_entry, absorb_extras
 
@@ -345,7 +346,8 @@ def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
     count = sum(len(group["params"]) for group in old["param_groups"])
     for holder in (old, *old["param_groups"]):
         if EXTRAS_KEY in holder:
-            holder[EXTRAS_KEY] = absorb_extras(holder[EXTRAS_KEY], count)
+            size = codebook_size(optimizer.param_groups)
+            holder[EXTRAS_KEY] = absorb_extras(holder[EXTRAS_KEY], count, size)
             holder[EXTRAS_KEY]["format_version"] = FORMAT_VERSION
     indices = torch_indices(optimizer.param_groups)
     for group, group_indices in zip(optimizer.param_groups, indices, strict=True):

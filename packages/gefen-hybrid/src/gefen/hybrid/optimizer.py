@@ -82,6 +82,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     decision, then Muon's streamed commit and the backup's; a failure in either commit latches
     the hybrid. ``lr`` is the backup's; ``muon_lr`` defaults to it with
     ``adjust_lr_fn="match_rms_adamw"`` so AdamW learning rates and weight decay carry over.
+    ``momentum_codec`` is the Muon child's codec and ``backup_momentum_codec`` the Gefen
+    backup's (``"codebook4"`` for both: about 0.55 byte of state per parameter).
     The checkpoint is torch's flat ``{"state", "param_groups"}`` over both children, with their
     extras under ``"gefen_hybrid"`` (``gefen.hybrid.flat_layout``).
 
@@ -121,6 +123,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         backup_2d_period_one: bool = False,
         backup_adamw_kwargs: Mapping[str, Any] | None = None,
         backup_factored_v_2d: bool = True,
+        backup_momentum_codec: str = "codebook8",
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,

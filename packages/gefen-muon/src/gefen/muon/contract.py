@@ -27,6 +27,8 @@ from gefen.contracts import (
     TrainingSupport,
 )
 from gefen.core.extension import (
+    CODEBOOK_CODECS,
+    VARIANT_PREFIX,
     api_flags,
     extras_field,
     finalized_training,
@@ -50,7 +52,10 @@ def _fields() -> tuple[StateField, ...]:
         parameter_field("period", StateGeometry.SCALAR, "block length P (0: pristine)"),
         parameter_field("step", StateGeometry.SCALAR, "updates applied to this matrix"),
         parameter_field(
-            "momentum_codes", StateGeometry.BLOCK, "uint8 indices (B, P); (N, 1) if P is searched"
+            "momentum_codes",
+            StateGeometry.BLOCK,
+            "uint8 indices (B, P), codebook4 two per byte (B, ceil(P/2)); flat in an (N, 1) "
+            "slot if P is searched",
         ),
         parameter_field(
             "momentum_scale",
@@ -83,9 +88,9 @@ def _momentum_variants(
 
 
 def _variants(
-    codecs: tuple[bool, ...], global_shards: bool, local_shards: bool
+    codecs: tuple[str, ...], global_shards: bool, local_shards: bool
 ) -> tuple[StateVariant, ...]:
-    """The uninitialized variant, then each kept codec's (codebook8 or not)."""
+    """The uninitialized variant, then each kept codec's."""
     variants = [
         StateVariant(
             name="uninitialized",
@@ -96,11 +101,11 @@ def _variants(
         )
     ]
     global_layouts = frozenset({_REPLICATED, _SHARD}) if global_shards else frozenset({_REPLICATED})
-    for codebook8 in codecs:
-        prefix = "q8" if codebook8 else "fp32"
+    for codec in codecs:
+        prefix = VARIANT_PREFIX[codec]
         momentum = (
             ("momentum_codes", "momentum_scale", "matrix_cols")
-            if codebook8
+            if codec in CODEBOOK_CODECS
             else ("momentum_buffer",)
         )
         variants += _momentum_variants(

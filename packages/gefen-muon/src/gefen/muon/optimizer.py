@@ -23,7 +23,9 @@ from gefen.core.extension import (
     OptimizerShell,
     StagedLearning,
     allocate_entry,
+    check_group_codec,
     check_optimizer_wide,
+    codes_per_byte,
     eager_advance_momentum_,
     group_uses_codebook,
     is_dtensor,
@@ -161,6 +163,8 @@ class GefenMuon(OptimizerShell):
     def validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
         validate_muon_options(group)
+        others = self.__dict__.get("param_groups") or []
+        check_group_codec(group, others, self.__dict__.get("_codebook"), self.OWNER_NAME)
 
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
         for param in candidate["params"]:
@@ -197,6 +201,7 @@ class GefenMuon(OptimizerShell):
             },
             # (B, P) codes cannot tell a (16, 8) momentum from an (8, 16) one; the width can.
             recorded_ints={"matrix_cols": cols},
+            codes_per_byte=codes_per_byte(group),
         )
 
     def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
@@ -246,7 +251,7 @@ class GefenMuon(OptimizerShell):
         self._momentum_kernels = MomentumKernels()
 
     def _select_kernels(self) -> None:
-        """The local preflight's selection: every group and device a codebook8 momentum will
+        """The local preflight's selection: every group and device a codebook momentum will
         run on."""
         for _, group, param in self.indexed_params():
             if param.grad is not None and group_uses_codebook(group):

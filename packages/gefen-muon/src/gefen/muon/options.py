@@ -26,7 +26,7 @@ __all__ = [
     "validate_muon_options",
 ]
 
-CODECS = ("codebook8", "none")
+CODECS = ("codebook8", "codebook4", "none")
 SHARDED_MODES = ("exact", "distributed", "approx")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # Every option may differ between groups (GefenMuon's codebook is learned once and never
@@ -96,7 +96,7 @@ def validate_muon_options(options: Mapping[str, Any]) -> None:
     for name in MUON_FLAGS:
         check_flag(name, options[name])
     if options["momentum_codec"] == "none" and options["stochastic_round"]:
-        raise ValueError("stochastic_round requires momentum_codec='codebook8'")
+        raise ValueError("stochastic_round requires momentum_codec='codebook8' or 'codebook4'")
 
 
 def group_schedule(group: Mapping[str, Any]) -> tuple[tuple[float, float, float], ...]:

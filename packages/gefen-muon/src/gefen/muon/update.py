@@ -55,16 +55,17 @@ def advance_momentum_(
 ) -> Tensor:
     """Step 1 in place; returns the stored momentum m̂ in ``grad``'s shape.
 
-    codebook8: ``advance`` (the fused ``MomentumAdvancer`` or the eager reference) decodes,
-    lerps with weight ``1 − β``, re-encodes into ``entry``'s codes/scale and returns the decoded
-    stored momentum (fp32). "none": ``momentum_buffer.lerp_(g, 1 − β)`` in the parameter dtype
-    (as ``torch.optim.Muon``); m̂ is the buffer itself (Newton–Schulz never writes its input).
+    codebook8/codebook4: ``advance`` (the fused ``MomentumAdvancer`` or the eager reference)
+    decodes, lerps with weight ``1 − β``, re-encodes into ``entry``'s codes/scale and returns
+    the decoded stored momentum (fp32). "none": ``momentum_buffer.lerp_(g, 1 − β)`` in the
+    parameter dtype (as ``torch.optim.Muon``); m̂ is the buffer itself (Newton–Schulz never
+    writes its input).
     """
     if CODES in entry:
         if codebook is None or advance is None:
-            raise ValueError("codebook8 momentum needs a codebook and a momentum kernel")
+            raise ValueError("codebook momentum needs a codebook and a momentum kernel")
         codes: Tensor = entry[CODES]
-        grad_blocks = grad.detach().reshape(codes.shape)
+        grad_blocks = grad.detach().reshape(codes.shape[0], -1)
         stored = advance(grad_blocks, codes, entry[SCALE], codebook, 1.0 - momentum, seed)
         return stored.reshape(grad.shape)
     buffer: Tensor = entry[BUFFER]
@@ -104,7 +105,7 @@ def orthogonal_update_(
 
     ``entry`` is an initialized entry (``step`` may be 0 for a new one) with the codec's keys,
     its tensors on ``grad``'s device; ``codebook`` and ``advance`` are required with the
-    codebook8 keys. The stored state is the plain EMA; Nesterov is applied after quantization,
+    codebook keys. The stored state is the plain EMA; Nesterov is applied after quantization,
     to the decoded stored momentum.
     """
     stored = advance_momentum_(

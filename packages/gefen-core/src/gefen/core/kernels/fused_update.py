@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gefen.core.kernels.blocks import pack_codes, unpack_codes
+
 __all__ = [
     "HP_BETA2",
     "HP_DECAY",
@@ -36,6 +38,7 @@ __all__ = [
     "HP_SIZE",
     "HP_SQRT_BC2",
     "TABLE_BUCKETS",
+    "Rounding",
     "advance_momentum_",
     "block_update_",
     "count_table",
@@ -51,7 +54,6 @@ HP_SQRT_BC2, HP_EPS, HP_INV_BC1, HP_DECAY = 4, 5, 6, 7
 HP_SIZE = 8
 
 TABLE_BUCKETS = 4096
-_CODEBOOK_SIZE = 256
 
 # §6.3's hash constants as two's-complement int64 (torch has no general uint64 arithmetic);
 # multiplication and addition wrap modulo 2⁶⁴ exactly as the unsigned definition requires.
@@ -61,6 +63,12 @@ _MIX_2 = 0x94D049BB133111EB - _MASK
 _GAMMA = 0x9E3779B97F4A7C15 - _MASK
 _DRAW_SHIFT = 40
 _DRAW_SCALE = 2.0**-24
+
+
+Rounding = tuple[int, bool, Tensor, Tensor, bool]
+"""``(window, stochastic, stream seed, flat index of the chunk's first element, packed)``: the
+scan window and the two flags are graph constants, the seed and index int64 0-d tensors;
+``packed`` says the codes hold two 4-bit indices per byte (a 16-value codebook)."""
 
 
 def _bucket(x: Tensor) -> Tensor:
@@ -86,10 +94,11 @@ def scan_window(codebook: Tensor) -> int:
 
 def _count_below(x: Tensor, codebook: Tensor, table: Tensor, window: int) -> Tensor:
     """``#{cb < x}`` (left ``searchsorted``) for finite x in [-1, 1]; int64."""
+    size = codebook.shape[0]
     count = table[_bucket(x)]
     for _ in range(window):
-        probe = codebook[count.clamp(max=_CODEBOOK_SIZE - 1)]
-        count = count + ((probe < x) & (count < _CODEBOOK_SIZE)).to(torch.int64)
+        probe = codebook[count.clamp(max=size - 1)]
+        count = count + ((probe < x) & (count < size)).to(torch.int64)
     return count
 
 
@@ -126,8 +135,8 @@ def _encode(
     # Non-finite values (check_finite=False) must never index out of range.
     safe = torch.where(normalised == normalised, normalised, 0.0).clamp(-1.0, 1.0)
     count = _count_below(safe, codebook, table, window)
-    lower = (count - 1).clamp(0, _CODEBOOK_SIZE - 1)
-    upper = count.clamp(0, _CODEBOOK_SIZE - 1)
+    lower = (count - 1).clamp(0, codebook.shape[0] - 1)
+    upper = count.clamp(0, codebook.shape[0] - 1)
     low_value, high_value = codebook[lower], codebook[upper]
     if not stochastic:
         take_lower = (safe - low_value).abs() <= (safe - high_value).abs()
@@ -157,12 +166,12 @@ def advance_momentum_(
     state: tuple[Tensor, ...],
     codebooks: tuple[Tensor, ...],
     weight: Tensor,
-    rounding: tuple[int, bool, Tensor, Tensor],
+    rounding: Rounding,
 ) -> Tensor:
-    """§6.1 step 5 in place: ``lerp(M, G, weight)`` stored (re-encoded for codebook8); returns
-    the momentum the update applies (fp32, (b, P)). Shared with GefenMuon's momentum.
+    """§6.1 step 5 in place: ``lerp(M, G, weight)`` stored (re-encoded for a codebook codec);
+    returns the momentum the update applies (fp32, (b, P)). Shared with GefenMuon's momentum.
 
-    ``state`` is ``(codes, scale)`` for codebook8 or ``(momentum,)`` for "none";
+    ``state`` is ``(codes, scale)`` for a codebook codec or ``(momentum,)`` for "none";
     ``codebooks`` is (codebook, count table), empty for "none".
     """
     if len(state) == 1:
@@ -171,10 +180,12 @@ def advance_momentum_(
         return momentum
     codes, scale = state
     codebook, table = codebooks
-    window, stochastic, stream, first = rounding
-    advanced = torch.lerp(codebook[codes.to(torch.int64)] * scale, grad, weight)
+    window, stochastic, stream, first, packed = rounding
+    # codebook4: the chunk's bytes hold two indices each (gefen.core.kernels.blocks)
+    stored = unpack_codes(codes, grad.shape[1]) if packed else codes.to(torch.int64)
+    advanced = torch.lerp(codebook[stored] * scale, grad, weight)
     new_scale, index = _encode(advanced, codebook, table, window, stochastic, stream, first)
-    codes.copy_(index.to(torch.uint8))
+    codes.copy_(pack_codes(index) if packed else index.to(torch.uint8))
     scale.copy_(new_scale)
     return codebook[index] * new_scale
 
@@ -186,14 +197,13 @@ def block_update_(
     v_block: Tensor,
     codebooks: tuple[Tensor, ...],
     hp: Tensor,
-    rounding: tuple[int, bool, Tensor, Tensor],
+    rounding: Rounding,
     flags: tuple[bool, bool],
 ) -> None:
     """One chunk of whole blocks of a block-family parameter, in place.
 
     ``param`` and ``grad`` are (b, P) views in logical order, ``v_block`` (b, 1); ``rounding``
-    is ``(window, stochastic, stream seed, flat index of the chunk's first element)`` (int64
-    0-d tensors); ``flags`` is ``(decay, write)``.
+    is a ``Rounding``; ``flags`` is ``(decay, write)``.
     """
     hp32 = hp.to(torch.float32)
     gradient = grad.to(torch.float32)
@@ -226,7 +236,7 @@ def factored_update_(
     factors: tuple[Tensor, Tensor, Tensor],
     codebooks: tuple[Tensor, ...],
     hp: Tensor,
-    rounding: tuple[int, bool, Tensor, Tensor],
+    rounding: Rounding,
     flags: tuple[bool, bool],
 ) -> None:
     """One chunk of whole blocks of a factored (R, C) parameter, in place, after

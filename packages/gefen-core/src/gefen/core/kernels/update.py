@@ -20,7 +20,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-from gefen.core.kernels.blocks import requantized_lerp
+from gefen.core.kernels.blocks import code_bytes, is_packed, requantized_lerp
 
 __all__ = [
     "FLT_MIN",
@@ -40,7 +40,8 @@ FLT_MIN = 2.0**-126
 
 @dataclass(frozen=True)
 class CodebookMomentum:
-    """``"codebook8"`` momentum: ``codes`` uint8 (B, P) and ``scale`` fp32 (B, 1) (block maxima)."""
+    """Codebook momentum: ``codes`` uint8 (B, P), or (B, ceil(P / 2)) two per byte with a
+    16-value codebook (``"codebook4"``), and ``scale`` fp32 (B, 1) (block maxima)."""
 
     codes: Tensor
     scale: Tensor
@@ -114,10 +115,12 @@ def _check_common(
     _require(0 <= v_step <= step, f"counters need 0 <= v_step <= step, got {v_step}, {step}")
     grid = (n // period, period)
     if isinstance(momentum, CodebookMomentum):
-        _require(codebook is not None, "codebook8 momentum needs the codebook")
+        _require(codebook is not None, "codebook momentum needs the codebook")
+        assert codebook is not None
+        codes_shape = (grid[0], code_bytes(period, is_packed(codebook)))
         _require(
-            momentum.codes.dtype == torch.uint8 and tuple(momentum.codes.shape) == grid,
-            f"momentum_codes must be uint8 of shape {grid}",
+            momentum.codes.dtype == torch.uint8 and tuple(momentum.codes.shape) == codes_shape,
+            f"momentum_codes must be uint8 of shape {codes_shape}",
         )
         _require_fp32(momentum.scale, (grid[0], 1), "momentum_scale")
     else:
@@ -213,14 +216,14 @@ def update_block(
     Args:
         param: the parameter (any supported float dtype, any strides); read only.
         grad: its gradient, same shape (after AMP unscaling); read only, widened to fp32.
-        momentum: ``CodebookMomentum`` (codebook8) or ``DenseMomentum`` (none), on the (B, P)
+        momentum: ``CodebookMomentum`` (codebook8/4) or ``DenseMomentum`` (none), on the (B, P)
             grid with ``B = numel / period``.
         v_block: fp32 (B, 1), the EMA of each block's mean of ``g²``.
         period: the parameter's period ``P``.
         step, v_step: the stored counters; the update uses ``t = step + 1``, ``τ = v_step + 1``.
         lr, betas, eps, weight_decay: the group's options as Python floats (``lr`` already read
             from a tensor by the caller).
-        codebook: the fp32 codebook, required by (and only by) codebook8 momentum.
+        codebook: the fp32 codebook, required by (and only by) codebook momentum.
         seed: ``(global_step, param_index)`` for stochastic rounding, or None for nearest.
 
     Returns a ``BlockUpdate`` with the new momentum, ``v_block``, counters ``(t, τ)`` and the new
