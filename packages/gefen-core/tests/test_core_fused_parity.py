@@ -232,7 +232,8 @@ def test_a_native_build_failure_falls_through_to_inductor(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("implementation", "size"), [("native", 256), ("inductor", 256), ("inductor", 16)]
+    ("implementation", "size"),
+    [("native", 256), ("native", 16), ("inductor", 256), ("inductor", 16)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [None, (4, 2)])
@@ -246,7 +247,7 @@ def test_fused_momentum_matches_the_eager_reference(implementation, size, dtype,
             pytest.skip("needs a C compiler")
         from gefen.core.native import native_momentum
 
-        advance = native_momentum()
+        advance = native_momentum(size)
     else:
         advance = FusedMomentum("cpu")
     generator = torch.Generator().manual_seed(5)

@@ -32,23 +32,33 @@ def _clustered_codebook() -> torch.Tensor:
     return torch.sort(torch.cat([inner, outer])).values
 
 
+def _sixteen() -> torch.Tensor:
+    # codebook4's size: two codes per byte (the SIMD passes see them unpacked)
+    u = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64)
+    return (u.sign() * u.abs() ** 1.6).to(torch.float32)
+
+
 CODEBOOKS = {
     "learned": _learned_like_codebook,
+    "sixteen": _sixteen,
     "uniform": lambda: torch.linspace(-1.0, 1.0, 256),
     "clustered": _clustered_codebook,
 }
 
 
-def _entry(shape: tuple[int, ...], period: int, factored: bool) -> dict[str, Any]:
+def _entry(shape: tuple[int, ...], period: int, factored: bool, size: int) -> dict[str, Any]:
+    from gefen.core.kernels.blocks import pack_codes
+
     numel = torch.Size(shape).numel()
     generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(
+        0, size, (numel // period, period), dtype=torch.uint8, generator=generator
+    )
     entry: dict[str, Any] = {
         "period": period,
         "step": 0,
         "v_step": 0,
-        "momentum_codes": torch.randint(
-            0, 256, (numel // period, period), dtype=torch.uint8, generator=generator
-        ),
+        "momentum_codes": codes if size == 256 else pack_codes(codes),
         "momentum_scale": torch.rand(numel // period, 1, generator=generator),
     }
     if factored:
@@ -79,7 +89,7 @@ def _simd_or_skip() -> None:
     ],
 )
 @pytest.mark.parametrize("stochastic", [False, True])
-@pytest.mark.parametrize("codebook_name", ["learned", "clustered"])
+@pytest.mark.parametrize("codebook_name", ["learned", "clustered", "sixteen"])
 def test_the_simd_passes_match_the_portable_loops_bit_for_bit(
     dtype, shape, period, factored, stochastic, codebook_name
 ) -> None:
@@ -90,9 +100,9 @@ def test_the_simd_passes_match_the_portable_loops_bit_for_bit(
     generator = torch.Generator().manual_seed(7)
     param = (torch.randn(shape, generator=generator) * 3).to(dtype)
     twin = param.clone()
-    entry = _entry(shape, period, factored)
-    twin_entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
     codebook = CODEBOOKS[codebook_name]()
+    entry = _entry(shape, period, factored, codebook.numel())
+    twin_entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
     for step in range(4):
         grad = (torch.randn(shape, generator=generator) * 10.0 ** (step - 2)).to(dtype)
         lr = 0.0 if step == 2 else 1e-2  # lr = 0: state advances, the parameter stays
@@ -136,10 +146,16 @@ def test_the_thresholds_round_exactly_like_nearest_index(codebook_name, portable
     padded = torch.zeros(blocks * (period - 1))
     padded[: probes.numel()] = probes
     values = torch.cat([torch.ones(blocks, 1), padded.reshape(blocks, period - 1)], dim=1)
-    codes = torch.zeros(blocks, period, dtype=torch.uint8)
+    packed = codebook.numel() == 16
+    codes = torch.zeros(blocks, (period + 1) // 2 if packed else period, dtype=torch.uint8)
     scale = torch.zeros(blocks, 1)
     NativeMomentum(portable=portable)(values, codes, scale, codebook, 1.0, None)
     assert torch.equal(scale, torch.ones(blocks, 1))
+    if packed:
+        from gefen.core.kernels.blocks import unpack_codes
+
+        assert not bool((codes[:, -1] >> 4).any())  # the odd block's padding nibble
+        codes = unpack_codes(codes, period).to(torch.uint8)
     assert torch.equal(codes, nearest_index(codebook, values))
 
 

@@ -37,13 +37,13 @@ logger = logging.getLogger("gefen.core")
 def fused_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdvancer:
     """A fused ``MomentumAdvancer`` for ``device_type`` and a codebook of ``codebook_size``
     values, proven on a tiny input first (so a build failure surfaces where the caller selects
-    it); raises on failure. On the CPU the native kernel (256 values) when it builds, else (and
-    elsewhere) the compiled one."""
-    if device_type == "cpu" and codebook_size == 256:
+    it); raises on failure. On the CPU the native kernel when it builds, else (and elsewhere)
+    the compiled one."""
+    if device_type == "cpu":
         try:
             from gefen.core.native import native_momentum
 
-            return native_momentum()
+            return native_momentum(codebook_size)
         except Exception as error:
             logger.info("native momentum kernel unavailable, using inductor: %s", error)
     from gefen.core.compiled import compiled_momentum
@@ -115,7 +115,7 @@ register_fused(
         "native-cpu",
         "cpu",
         (torch.float32, torch.bfloat16),
-        ("codebook8",),
+        ("codebook8", "codebook4"),
         ("block", "factored"),
         True,  # blocks are independent; every block's reductions run in a fixed order
         _compile_native,

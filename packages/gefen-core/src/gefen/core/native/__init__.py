@@ -6,7 +6,7 @@ one block at a time in an L1-resident buffer; on AVX-512 CPUs with VBMI its tabl
 byte permutations in registers instead of gathers (``gefen_avx512.h``). It is compiled with
 the C compiler inductor needs anyway (``cc``/``gcc``, ``-O3 -march=native``, OpenMP when
 available) into a per-user cache and called through ``ctypes`` with raw pointers, so it needs
-no Python or torch headers and builds in about a second. It covers codebook8 momentum on fp32
+no Python or torch headers and builds in about a second. It covers codebook8 and codebook4 on fp32
 and bf16 parameters, both families, nearest and stochastic rounding; everything else takes the
 inductor implementation. The same library holds the CPU finiteness check of §7.2
 (``first_nonfinite``).
@@ -159,7 +159,7 @@ def build_library() -> ctypes.CDLL:
             ctypes.POINTER(_Scalars),
         ]  # fmt: skip
         library.gefen_build_tables.restype = ctypes.c_int
-        library.gefen_build_tables.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        library.gefen_build_tables.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
         library.gefen_tables_size.restype = ctypes.c_int64
         library.gefen_tables_size.argtypes = []
         library.gefen_simd_available.restype = ctypes.c_int32
@@ -226,7 +226,10 @@ class EncodeTables:
         if codebook is not self._codebook or tensor_version(codebook) != self._codebook_version:
             values = codebook.detach().to(device="cpu", dtype=torch.float32).contiguous()
             tables = torch.zeros(self._size, dtype=torch.uint8)
-            if self._library.gefen_build_tables(values.data_ptr(), tables.data_ptr()) != 0:
+            built = self._library.gefen_build_tables(
+                values.data_ptr(), values.numel(), tables.data_ptr()
+            )
+            if built != 0:
                 raise ValueError("native kernel: the codebook is not strictly increasing")
             self._tables, self._codebook = tables, codebook
             self._codebook_version = tensor_version(codebook)
@@ -344,7 +347,8 @@ def native_updater(key: tuple[str, torch.dtype, str, str]) -> NativeUpdater:
 
 
 def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -> None:
-    _, dtype, _, family = key
+    _, dtype, codec, family = key
+    size = 16 if codec == "codebook4" else 256  # codebook4: two codes per byte
     generator = torch.Generator().manual_seed(0)
     param = torch.randn(4, 8, generator=generator).to(dtype)
     grad = torch.randn(4, 8, generator=generator).to(dtype)
@@ -352,7 +356,7 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
         "period": 8,
         "step": 0,
         "v_step": 0,
-        "momentum_codes": torch.zeros(4, 8, dtype=torch.uint8),
+        "momentum_codes": torch.zeros(4, 8 if size == 256 else 4, dtype=torch.uint8),
         "momentum_scale": torch.zeros(4, 1),
     }
     if family == "factored":
@@ -361,7 +365,7 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
         entry["v_block"] = torch.zeros(4, 1)
     expected_param = param.clone()
     expected = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
-    scalars = StepScalars(1e-2, (0.9, 0.999), 1e-8, 0.1, torch.linspace(-1.0, 1.0, 256))
+    scalars = StepScalars(1e-2, (0.9, 0.999), 1e-8, 0.1, torch.linspace(-1.0, 1.0, size))
     updater(param, grad, entry, scalars)
     eager_update_(expected_param, grad, expected, scalars)
     if not torch.equal(entry["momentum_codes"], expected["momentum_codes"]) or not torch.allclose(
@@ -371,8 +375,9 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
 
 
 class NativeMomentum:
-    """GefenMuon's codebook8 momentum (``gefen.core.updaters.MomentumAdvancer``) on the native
-    kernel: fp32 and bf16 gradients; other dtypes take the eager reference."""
+    """GefenMuon's codebook momentum (``gefen.core.updaters.MomentumAdvancer``; codebook8, or
+    codebook4's packed codes) on the native kernel: fp32 and bf16 gradients; other dtypes take
+    the eager reference."""
 
     def __init__(self, *, portable: bool = False) -> None:
         library = build_library()
@@ -391,7 +396,8 @@ class NativeMomentum:
     ) -> Tensor:
         if grad.dtype not in _DTYPES or grad.device.type != "cpu":
             return eager_advance_momentum_(grad, codes, scale, codebook, weight, seed)
-        blocks, period = codes.shape
+        blocks = codes.shape[0]
+        period = grad.numel() // blocks
         gradient = grad.reshape(blocks, period).contiguous()
         tables = self._tables.get(codebook)
         out = torch.empty(blocks, period, dtype=torch.float32)
@@ -409,14 +415,16 @@ class NativeMomentum:
         return out
 
 
-def native_momentum() -> NativeMomentum:
-    """Build (or load) the library and check the momentum kernel against the reference."""
+def native_momentum(codebook_size: int = 256) -> NativeMomentum:
+    """Build (or load) the library and check the momentum kernel against the reference, for a
+    codebook of ``codebook_size`` values (16: codebook4's two codes per byte)."""
     advance = NativeMomentum()
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(4, 8, generator=generator)
-    codes = torch.randint(0, 256, (4, 8), dtype=torch.uint8, generator=generator)
+    width = 8 if codebook_size == 256 else 4
+    codes = torch.randint(0, 256, (4, width), dtype=torch.uint8, generator=generator)
     scale = torch.rand(4, 1, generator=generator)
-    codebook = torch.linspace(-1.0, 1.0, 256)
+    codebook = torch.linspace(-1.0, 1.0, codebook_size)
     expected_codes, expected_scale = codes.clone(), scale.clone()
     got = advance(grad, codes, scale, codebook, 0.05, (3, 1))
     want = eager_advance_momentum_(grad, expected_codes, expected_scale, codebook, 0.05, (3, 1))

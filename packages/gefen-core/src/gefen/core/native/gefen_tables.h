@@ -34,8 +34,9 @@ static int32_t bucket_counts(const float *values, int n, int32_t *table, int buc
 }
 
 /* Byte k of every value, plane after plane. */
-static void byte_planes(const float *values, uint8_t planes[4][CODEBOOK_SIZE]) {
-    for (int j = 0; j < CODEBOOK_SIZE; ++j) {
+static void byte_planes(const float *values, int n, uint8_t planes[4][CODEBOOK_SIZE]) {
+    memset(planes, 0, 4 * CODEBOOK_SIZE);
+    for (int j = 0; j < n; ++j) {
         uint32_t bits;
         memcpy(&bits, &values[j], sizeof bits);
         for (int k = 0; k < 4; ++k) planes[k][j] = (uint8_t)(bits >> (8 * k));
@@ -46,8 +47,10 @@ static void byte_planes(const float *values, uint8_t planes[4][CODEBOOK_SIZE]) {
  * found by bisection on the fp32 values in [cb[j], cb[j+1]): §6.3 picks j over j+1 iff
  * |x - cb[j]| <= |x - cb[j+1]| in fp32, which holds at cb[j] and, as x grows, only turns from
  * true to false (the two rounded distances are monotone), so the rule is one threshold. */
-int gefen_build_tables(const float *cb, gefen_tables *t) {
-    for (int j = 0; j + 1 < CODEBOOK_SIZE; ++j) {
+int gefen_build_tables(const float *cb, int32_t size, gefen_tables *t) {
+    if (size < 2 || size > CODEBOOK_SIZE) return 2;
+    memset(t, 0, sizeof *t);
+    for (int j = 0; j + 1 < size; ++j) {
         if (!(cb[j] < cb[j + 1])) return 1;
         uint32_t low = float_order(cb[j]), high = float_order(cb[j + 1]);
         while (high - low > 1) {
@@ -58,16 +61,17 @@ int gefen_build_tables(const float *cb, gefen_tables *t) {
         }
         t->threshold[j] = order_float(low);
     }
-    t->threshold[CODEBOOK_SIZE - 1] = INFINITY;
-    t->window = bucket_counts(cb, CODEBOOK_SIZE, t->count, TABLE_BUCKETS, 0);
-    t->threshold_window = bucket_counts(t->threshold, CODEBOOK_SIZE - 1, t->threshold_count,
+    /* T_j = +inf from j = size - 1 on: no count (the SIMD scan's included) passes size - 1 */
+    for (int j = size - 1; j < CODEBOOK_SIZE; ++j) t->threshold[j] = INFINITY;
+    t->window = bucket_counts(cb, size, t->count, TABLE_BUCKETS, 0);
+    t->threshold_window = bucket_counts(t->threshold, size - 1, t->threshold_count,
                                         TABLE_BUCKETS, 0);
     int32_t coarse[COARSE_BUCKETS];
-    t->coarse_window = bucket_counts(t->threshold, CODEBOOK_SIZE - 1, coarse, COARSE_BUCKETS, 1);
+    t->coarse_window = bucket_counts(t->threshold, size - 1, coarse, COARSE_BUCKETS, 1);
     for (int b = 0; b < COARSE_BUCKETS; ++b) t->coarse[b] = (uint8_t)coarse[b]; /* <= 255 */
-    t->reserved = 0;
-    byte_planes(cb, t->codebook_planes);
-    byte_planes(t->threshold, t->threshold_planes);
+    t->size = size;
+    byte_planes(cb, size, t->codebook_planes);
+    byte_planes(t->threshold, CODEBOOK_SIZE, t->threshold_planes);
     return 0;
 }
 

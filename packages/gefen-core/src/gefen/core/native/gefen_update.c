@@ -11,6 +11,12 @@
  * the largest fp32 value §6.3's rule sends to codeword j or below, so the index of x is
  * #{T_j < x}, exactly the eager result. On AVX-512 (with VBMI) the block passes of
  * gefen_avx512.h run instead of the portable loops here; both give the same bits (tested).
+ *
+ * codebook4 (a codebook of at most 16 values, ``gefen_tables.size``) keeps two 4-bit codes per
+ * byte, element 2j in the low nibble of byte j: a block of P elements takes ceil(P/2) bytes and
+ * always starts on a byte. The SIMD passes read and write one code per byte, so a packed block
+ * is unpacked into the thread's scratch before them and packed after; the portable loops read
+ * and write the nibbles in place.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +24,7 @@
 #include <string.h>
 
 #define CODEBOOK_SIZE 256
+#define PACKED_CODEBOOK_SIZE 16
 #define TABLE_BUCKETS 4096
 
 #define COARSE_BUCKETS 512
@@ -29,12 +36,14 @@
  * is #{j : T_j < x}; T_255 = +inf. ``threshold_count``/``threshold_window``: the same bucket
  * table over the thresholds. The SIMD path keeps its tables in registers: ``coarse`` is the
  * threshold count over 256 buckets (one byte each) with ``coarse_window``, and ``*_planes`` hold
- * byte k of every codeword / threshold (plane k, 256 bytes), for 64-lane byte lookups. */
+ * byte k of every codeword / threshold (plane k, 256 bytes), for 64-lane byte lookups.
+ * ``size``: the codewords (256, or at most 16 for packed 4-bit codes); the arrays hold
+ * ``size`` of them. */
 typedef struct {
     int32_t count[TABLE_BUCKETS];
     int32_t threshold_count[TABLE_BUCKETS];
     float threshold[CODEBOOK_SIZE];
-    int32_t window, threshold_window, coarse_window, reserved;
+    int32_t window, threshold_window, coarse_window, size;
     uint8_t coarse[COARSE_BUCKETS];
     uint8_t codebook_planes[4][CODEBOOK_SIZE];
     uint8_t threshold_planes[4][CODEBOOK_SIZE];
@@ -117,11 +126,41 @@ static inline float nan_max(float a, float b) {
     return out;
 }
 
+/* Code j of a block whose codes start at ``codes`` (two per byte when ``packed``). */
+static inline int32_t code_at(const uint8_t *codes, int64_t j, int packed) {
+    return packed ? (codes[j >> 1] >> ((j & 1) << 2)) & 15 : codes[j];
+}
+
+static inline void set_code(uint8_t *codes, int64_t j, int32_t value, int packed) {
+    if (!packed) {
+        codes[j] = (uint8_t)value;
+        return;
+    }
+    int shift = (int)((j & 1) << 2);
+    uint8_t *byte = codes + (j >> 1);
+    *byte = (uint8_t)((*byte & ~(15 << shift)) | (value << shift));
+}
+
+/* Bytes of codes from a block's start to its element ``o`` (``o`` even when packed). */
+static inline int64_t code_bytes(int64_t o, int packed) { return packed ? (o + 1) / 2 : o; }
+
+/* ``len`` packed codes as one byte each, and back (an odd length's last high nibble is 0). */
+static void unpack_codes(const uint8_t *restrict codes, int64_t len, uint8_t *restrict out) {
+    for (int64_t j = 0; j < len; ++j) out[j] = (codes[j >> 1] >> ((j & 1) << 2)) & 15;
+}
+
+static void pack_codes(const uint8_t *restrict in, int64_t len, uint8_t *restrict codes) {
+    int64_t j = 0;
+    for (; j + 1 < len; j += 2) codes[j >> 1] = (uint8_t)(in[j] | (in[j + 1] << 4));
+    if (j < len) codes[j >> 1] = in[j];
+}
+
 /* Block-sized scratch of one thread: the decoded/advanced momentum, the normalised values,
  * the search counts and the per-element step sizes (factored family). */
 typedef struct {
     float *advanced, *normalised, *factor;
     int32_t *count;
+    uint8_t *bytes; /* a packed block's codes, one per byte, for the SIMD passes */
 } scratch;
 
 static int scratch_init(scratch *w, int64_t period) {
@@ -130,7 +169,8 @@ static int scratch_init(scratch *w, int64_t period) {
     w->normalised = (float *)malloc(sizeof(float) * n);
     w->factor = (float *)malloc(sizeof(float) * n);
     w->count = (int32_t *)malloc(sizeof(int32_t) * n);
-    return w->advanced && w->normalised && w->factor && w->count;
+    w->bytes = (uint8_t *)malloc(n);
+    return w->advanced && w->normalised && w->factor && w->count && w->bytes;
 }
 
 static void scratch_free(scratch *w) {
@@ -138,6 +178,7 @@ static void scratch_free(scratch *w) {
     free(w->normalised);
     free(w->factor);
     free(w->count);
+    free(w->bytes);
 }
 
 /* Pass 1: advanced = lerp(cb[codes]·scale, g, w); returns max |advanced| (NaN if any is NaN:
@@ -145,11 +186,11 @@ static void scratch_free(scratch *w) {
  * integer maximum vectorises and still propagates NaN). */
 static float advance(const void *grad, int dtype, int64_t first, int64_t period,
                      const uint8_t *codes, float old_scale, const float *cb, float weight,
-                     float *advanced) {
+                     float *advanced, int packed) {
     uint32_t top = 0;
     int low = weight < 0.5f;
     for (int64_t j = 0; j < period; ++j) {
-        float start = cb[codes[j]] * old_scale;
+        float start = cb[code_at(codes, j, packed)] * old_scale;
         float end = dtype == DTYPE_F32 ? ((const float *)grad)[first + j]
                                        : bf16_to_f32(((const uint16_t *)grad)[first + j]);
         float value = low ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
@@ -172,29 +213,36 @@ static float advance(const void *grad, int dtype, int64_t first, int64_t period,
 #define GEFEN_AVX512 0
 #endif
 
-/* advance() on the fastest path the build has (the SIMD one unless ``portable``). */
+/* advance() on the fastest path the build has (the SIMD one unless ``portable``; ``bytes``
+ * holds a packed block's codes unpacked for it). */
 static float advance_any(const void *grad, int dtype, int64_t first, int64_t period,
                          const uint8_t *codes, float old_scale, const float *cb, float weight,
-                         float *advanced, const gefen_tables *t, int portable) {
+                         float *advanced, const gefen_tables *t, int portable, uint8_t *bytes) {
+    int packed = t->size <= PACKED_CODEBOOK_SIZE;
 #if GEFEN_AVX512
-    if (!portable)
-        return advance_simd(grad, dtype, first, period, codes, old_scale, t, weight, advanced);
+    if (!portable) {
+        if (packed) unpack_codes(codes, period, bytes);
+        return advance_simd(grad, dtype, first, period, packed ? bytes : codes, old_scale, t,
+                            weight, advanced);
+    }
 #endif
     (void)portable;
-    (void)t;
-    return advance(grad, dtype, first, period, codes, old_scale, cb, weight, advanced);
+    (void)bytes;
+    return advance(grad, dtype, first, period, codes, old_scale, cb, weight, advanced, packed);
 }
 
 /* The absolute maximum of a whole block's advanced momentum, ``sub`` elements at a time; when
  * the block fits one pass (period <= sub) ``buffer`` keeps its advanced values. */
 static float block_maximum(const void *grad, int dtype, int64_t first, int64_t period,
                            int64_t sub, const uint8_t *codes, float old_scale, const float *cb,
-                           float weight, float *buffer, const gefen_tables *t, int portable) {
+                           float weight, float *buffer, const gefen_tables *t, int portable,
+                           uint8_t *bytes) {
     float maximum = 0.0f;
     for (int64_t o = 0; o < period; o += sub) {
         int64_t len = period - o < sub ? period - o : sub;
-        float part = advance_any(grad, dtype, first + o, len, codes + o, old_scale, cb, weight,
-                                 buffer, t, portable);
+        float part = advance_any(grad, dtype, first + o, len,
+                                 codes + code_bytes(o, t->size <= PACKED_CODEBOOK_SIZE),
+                                 old_scale, cb, weight, buffer, t, portable, bytes);
         maximum = nan_max(maximum, part);
     }
     return maximum;
@@ -207,6 +255,7 @@ static void encode_block(float *restrict advanced, float maximum, int64_t period
                          int64_t first, scratch *w, uint8_t *restrict codes) {
     float *restrict x = w->normalised;
     int32_t *restrict count = w->count;
+    int size = t->size, packed = size <= PACKED_CODEBOOK_SIZE;
     int nearest = !s->stochastic;
     const int32_t *restrict table = nearest ? t->threshold_count : t->count;
     const float *restrict probes = nearest ? t->threshold : cb;
@@ -221,13 +270,13 @@ static void encode_block(float *restrict advanced, float maximum, int64_t period
     for (int step = 0; step < window; ++step) {
         for (int64_t j = 0; j < period; ++j) {
             int32_t c = count[j];
-            int32_t probe = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
-            count[j] = c + ((c < CODEBOOK_SIZE) & (probes[probe] < x[j]));
+            int32_t probe = c < size ? c : size - 1;
+            count[j] = c + ((c < size) & (probes[probe] < x[j]));
         }
     }
     if (nearest) {
         for (int64_t j = 0; j < period; ++j) {
-            codes[j] = (uint8_t)count[j];
+            set_code(codes, j, count[j], packed);
             advanced[j] = cb[count[j]]; /* the chosen codeword, for the apply pass */
         }
         return;
@@ -235,12 +284,12 @@ static void encode_block(float *restrict advanced, float maximum, int64_t period
     for (int64_t j = 0; j < period; ++j) {
         int32_t c = count[j];
         int32_t lower = c > 0 ? c - 1 : 0;
-        int32_t upper = c < CODEBOOK_SIZE ? c : CODEBOOK_SIZE - 1;
+        int32_t upper = c < size ? c : size - 1;
         float low = cb[lower], high = cb[upper];
         float gap = high - low;
         float p_up = (x[j] - low) / (gap > 0.0f ? gap : 1.0f);
         int up = (gap > 0.0f) & (draw(s->stream, first + j) < p_up);
-        codes[j] = (uint8_t)(up ? upper : lower);
+        set_code(codes, j, up ? upper : lower, packed);
         advanced[j] = up ? high : low;
     }
 }
@@ -330,6 +379,7 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                           float norm, int64_t blocks, int64_t period, const float *cb,
                           const gefen_tables *t, const gefen_scalars *s, int *failed) {
     int64_t sub = period < SCRATCH ? period : SCRATCH;
+    int packed = t->size <= PACKED_CODEBOOK_SIZE;
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1 && blocks > 1)
     {
         scratch w;
@@ -339,6 +389,7 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; ++b) {
                 int64_t first = b * period;
+                uint8_t *block_codes = codes + b * code_bytes(period, packed);
                 float block_s = 0.0f;
                 if (v_block) {
                     float mean = mean_square(grad, dtype, first, period, NULL, s->portable);
@@ -349,15 +400,16 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                 /* A block longer than the scratch is decoded twice (once for its maximum),
                  * so every pass stays in L1 whatever the period. */
                 float old_scale = scale[b];
-                float maximum = block_maximum(grad, dtype, first, period, sub, codes + first,
+                float maximum = block_maximum(grad, dtype, first, period, sub, block_codes,
                                               old_scale, cb, s->one_minus_beta1, w.advanced,
-                                              t, s->portable);
+                                              t, s->portable, w.bytes);
                 scale[b] = maximum;
                 for (int64_t o = 0; o < period; o += sub) {
                     int64_t len = period - o < sub ? period - o : sub;
+                    uint8_t *sub_codes = block_codes + code_bytes(o, packed);
                     if (period > sub)
-                        advance_any(grad, dtype, first + o, len, codes + first + o, old_scale,
-                                    cb, s->one_minus_beta1, w.advanced, t, s->portable);
+                        advance_any(grad, dtype, first + o, len, sub_codes, old_scale, cb,
+                                    s->one_minus_beta1, w.advanced, t, s->portable, w.bytes);
                     const float *factor = v_block ? NULL : w.factor;
 #if GEFEN_AVX512
                     if (!s->stochastic && !s->portable && t->coarse_window <= SIMD_MAX_WINDOW) {
@@ -368,16 +420,17 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                         if (!v_block && !column)
                             factored_factors(first + o, len, v_row, v_col, cols, norm, s,
                                              w.factor);
-                        commit_nearest_simd(w.advanced, maximum, len, t, codes + first + o,
+                        commit_nearest_simd(w.advanced, maximum, len, t,
+                                            packed ? w.bytes : sub_codes,
                                             param, dtype, first + o, column ? NULL : factor,
                                             block_s, column, column ? v_row[row] : 0.0f, s);
+                        if (packed) pack_codes(w.bytes, len, sub_codes);
                         continue;
                     }
 #endif
                     if (!v_block)
                         factored_factors(first + o, len, v_row, v_col, cols, norm, s, w.factor);
-                    encode_block(w.advanced, maximum, len, cb, t, s, first + o, &w,
-                                 codes + first + o);
+                    encode_block(w.advanced, maximum, len, cb, t, s, first + o, &w, sub_codes);
                     if (s->write)
                         apply_block(param, dtype, first + o, len, w.advanced, maximum, factor,
                                     block_s, s);
