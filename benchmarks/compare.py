@@ -361,33 +361,29 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
         value = results.get(name, {}).get(key)
         return None if value is None else float(value)
 
-    gefen_bpp = get("gefen", "state_bytes_per_param")
-    add(
-        "Gefen state bytes/param",
-        f"<= {GEFEN_BYTES_PER_PARAM}",
-        gefen_bpp,
-        None if gefen_bpp is None else gefen_bpp <= GEFEN_BYTES_PER_PARAM,
-        "target" + scope,
-    )
-    hybrid_bpp = get("gefen_muon_gefen", "state_bytes_per_param")
-    add(
-        "GefenMuonHybrid (Gefen backup) state bytes/param",
-        f"<= {GEFEN_MUON_BYTES_PER_PARAM}",
-        hybrid_bpp,
-        None if hybrid_bpp is None else hybrid_bpp <= GEFEN_MUON_BYTES_PER_PARAM,
-        "target" + scope,
-    )
-    for what, ours, reference in (
-        ("Gefen held-out loss vs AdamW", "gefen", "adamw"),
-        ("GefenMuonHybrid (Gefen backup) held-out loss vs torch Muon", "gefen_muon_gefen", "muon"),
-    ):
+    q4_hybrid = "GefenMuonHybrid, codebook4 in both children"
+    for what, name, limit in (
+        ("Gefen state bytes/param", "gefen", GEFEN_BYTES_PER_PARAM),
+        ("GefenMuonHybrid (Gefen backup) state bytes/param", "gefen_muon_gefen",
+         GEFEN_MUON_BYTES_PER_PARAM),
+        (f"{q4_hybrid}: state bytes/param", "gefen_muon_gefen_q4", HYBRID_Q4_BYTES_PER_PARAM),
+    ):  # fmt: skip
+        size = get(name, "state_bytes_per_param")
+        add(what, f"<= {limit}", size, None if size is None else size <= limit, "target" + scope)
+    for what, ours, reference, tolerance in (
+        ("Gefen held-out loss vs AdamW", "gefen", "adamw", LOSS_TOLERANCE),
+        ("GefenMuonHybrid (Gefen backup) held-out loss vs torch Muon", "gefen_muon_gefen", "muon",
+         LOSS_TOLERANCE),
+        (f"{q4_hybrid}: held-out loss vs torch Muon", "gefen_muon_gefen_q4", "muon",
+         HYBRID_Q4_LOSS_TOLERANCE),
+    ):  # fmt: skip
         mine, theirs = get(ours, "eval_loss"), get(reference, "eval_loss")
         gap = None if mine is None or theirs is None else mine / theirs - 1
         add(
             what,
-            f"within {LOSS_TOLERANCE:.0%} (relative gap <= {LOSS_TOLERANCE})",
+            f"within {tolerance:.0%} (relative gap <= {tolerance})",
             gap,
-            None if gap is None else gap <= LOSS_TOLERANCE,
+            None if gap is None else gap <= tolerance,
             f"target, at {at}",
         )
     for what, ours, reference, limit in (
@@ -408,23 +404,6 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
             None if ratio is None else ratio <= limit,
             "target, median step(); value is the ratio" + scope,
         )
-    q4_bpp = get("gefen_muon_gefen_q4", "state_bytes_per_param")
-    add(
-        "GefenMuonHybrid, codebook4 in both children: state bytes/param",
-        f"<= {HYBRID_Q4_BYTES_PER_PARAM}",
-        q4_bpp,
-        None if q4_bpp is None else q4_bpp <= HYBRID_Q4_BYTES_PER_PARAM,
-        "target" + scope,
-    )
-    mine, theirs = get("gefen_muon_gefen_q4", "eval_loss"), get("muon", "eval_loss")
-    gap = None if mine is None or theirs is None else mine / theirs - 1
-    add(
-        "GefenMuonHybrid, codebook4 in both children: held-out loss vs torch Muon",
-        f"within {HYBRID_Q4_LOSS_TOLERANCE:.0%} (relative gap <= {HYBRID_Q4_LOSS_TOLERANCE})",
-        gap,
-        None if gap is None else gap <= HYBRID_Q4_LOSS_TOLERANCE,
-        f"target, at {at}",
-    )
     fused_loss, eager_loss = get("gefen", "eval_loss"), get("gefen_eager", "eval_loss")
     drift = None if fused_loss is None or eager_loss is None else abs(fused_loss / eager_loss - 1)
     add(

@@ -57,7 +57,12 @@ def _full_params(model: Any) -> list[torch.Tensor]:
 
 
 def scenario_save(
-    rank: int, world_size: int, folder: str, widths: tuple[int, ...] = WIDTHS, layout: str = "fsdp"
+    rank: int,
+    world_size: int,
+    folder: str,
+    widths: tuple[int, ...] = WIDTHS,
+    layout: str = "fsdp",
+    codec: str = "codebook8",
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -68,7 +73,7 @@ def scenario_save(
     from gefen.core import Gefen
 
     model = _model(world_size, widths, layout)
-    optimizer = Gefen(model.parameters(), lr=0.01)
+    optimizer = Gefen(model.parameters(), lr=0.01, momentum_codec=codec)
     _train(model, optimizer, rank, range(3))
     expected = gathered_optimizer_state(model, optimizer)
     optim = get_optimizer_state_dict(model, optimizer)
@@ -92,6 +97,7 @@ def scenario_resume(
     saved_world: int,
     widths: tuple[int, ...] = WIDTHS,
     layout: str = "fsdp",
+    codec: str = "codebook8",
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -104,7 +110,7 @@ def scenario_resume(
     from gefen.core import Gefen
 
     model = _model(world_size, widths, layout)
-    optimizer = Gefen(model.parameters(), lr=0.01)
+    optimizer = Gefen(model.parameters(), lr=0.01, momentum_codec=codec)
     template = get_optimizer_state_dict(model, optimizer)
     state = {"model": get_model_state_dict(model), "optim": template}
     dcp.load(state, checkpoint_id=str(Path(folder) / "checkpoint"))
@@ -138,16 +144,23 @@ def _resumes(
     worlds: tuple[int | tuple[int, str], ...],
     widths: tuple[int, ...] = WIDTHS,
     layout: str = "fsdp",
+    codec: str = "codebook8",
 ) -> dict[Any, Any]:
     """Save at ``saved_world`` in ``layout``; resume at each world (a ``(world, layout)`` pair
     for another layout than FSDP's)."""
-    save = (str(folder), widths, layout)
+    save = (str(folder), widths, layout, codec)
     saved = run_scenarios([("save", scenario_save, save)], saved_world, rank_deadline_s=300.0)
     outcomes: dict[Any, Any] = {0: saved["save"]}
     for target in worlds:
         world, resume_layout = target if isinstance(target, tuple) else (target, "fsdp")
         resumed = run_scenarios(
-            [("resume", scenario_resume, (str(folder), saved_world, widths, resume_layout))],
+            [
+                (
+                    "resume",
+                    scenario_resume,
+                    (str(folder), saved_world, widths, resume_layout, codec),
+                )
+            ],
             world,
             rank_deadline_s=300.0,
         )
@@ -192,6 +205,24 @@ def test_a_world_four_checkpoint_resumes_at_two(from_four: dict[int, Any]) -> No
         assert result["row_sharded"]
     for result in from_four[2]:
         assert _resumed(result), result
+
+
+@pytest.fixture(scope="module")
+def codebook4_from_two(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    return _resumes(tmp_path_factory.mktemp("q4"), 2, (2, 3), codec="codebook4")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_codebook4_state_reshards_from_two_to(
+    world: int, codebook4_from_two: dict[int, Any]
+) -> None:
+    """Packed codes are rows like codebook8's (each block's ceil(P/2) bytes): DCP cuts them by
+    rows, including the uneven split at world 3."""
+    for result in codebook4_from_two[0]:
+        assert result == {"row_sharded": True, "periods": [1, 8, 24]}
+    for result in codebook4_from_two[world]:
+        assert _resumed(result), result
+        assert result["bitwise"] == (world == 2)
 
 
 @pytest.fixture(scope="module")

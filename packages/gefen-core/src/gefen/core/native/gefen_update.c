@@ -37,8 +37,8 @@
  * table over the thresholds. The SIMD path keeps its tables in registers: ``coarse`` is the
  * threshold count over 256 buckets (one byte each) with ``coarse_window``, and ``*_planes`` hold
  * byte k of every codeword / threshold (plane k, 256 bytes), for 64-lane byte lookups.
- * ``size``: the codewords (256, or at most 16 for packed 4-bit codes); the arrays hold
- * ``size`` of them. */
+ * ``size``: the codewords (256, or at most 16 for packed 4-bit codes); the codebook planes
+ * hold ``size`` of them, and T_j = +inf from j = size - 1 on. */
 typedef struct {
     int32_t count[TABLE_BUCKETS];
     int32_t threshold_count[TABLE_BUCKETS];
