@@ -61,7 +61,7 @@ def run_all(names: list[str], args: argparse.Namespace) -> dict[str, list[dict[s
         concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool,
     ):
         futures = {
-            pool.submit(compare.run_worker, name, lr, args, pathlib.Path(scratch)): name
+            pool.submit(compare.run_worker, name, lr, args, pathlib.Path(scratch), args.seed): name
             for name, lr in jobs
         }
         for future in concurrent.futures.as_completed(futures):

@@ -274,6 +274,7 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "optimizer": name,
         "lr": lr,
+        "seed": args.seed,
         "parameters": parameters,
         "train_loss": sum(tail) / len(tail),
         "eval_loss": eval_curve[-1][1] if eval_curve and not diverged else None,
@@ -309,8 +310,10 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def run_worker(name: str, lr: float, args: argparse.Namespace, scratch: pathlib.Path) -> Any:
-    out = scratch / f"{name}-{lr:.6g}.json"
+def run_worker(
+    name: str, lr: float, args: argparse.Namespace, scratch: pathlib.Path, seed: int
+) -> Any:
+    out = scratch / f"{name}-{lr:.6g}-{seed}.json"
     command = [
         worker_python(name),
         str(pathlib.Path(__file__).resolve()),
@@ -329,7 +332,7 @@ def run_worker(name: str, lr: float, args: argparse.Namespace, scratch: pathlib.
         "--model-size",
         args.model_size,
         "--seed",
-        str(args.seed),
+        str(seed),
         "--threads",
         str(args.threads),
     ]
@@ -337,6 +340,36 @@ def run_worker(name: str, lr: float, args: argparse.Namespace, scratch: pathlib.
     if completed.returncode != 0 or not out.exists():
         return {"optimizer": name, "lr": lr, "failed": f"worker exited {completed.returncode}"}
     return json.loads(out.read_text())
+
+
+def seed_list(args: argparse.Namespace) -> list[int]:
+    """``--seeds 0,1,2`` as a list, else the one ``--seed``."""
+    if not args.seeds:
+        return [args.seed]
+    try:
+        seeds = [int(part) for part in args.seeds.split(",")]
+    except ValueError as error:
+        raise SystemExit(f"--seeds takes comma-separated integers, not {args.seeds!r}") from error
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds names a seed twice: {args.seeds!r}")
+    return seeds
+
+
+def merge_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for one optimizer and learning rate run on several seeds (model initialisation
+    and data order): the losses are the means over the seeds (None if any seed diverged), kept
+    per seed beside them; times, memory and curves are the first seed's. A skipped or failed
+    seed stands for the whole row."""
+    for run in runs:
+        if "skipped" in run or "failed" in run:
+            return run
+    merged = dict(runs[0])
+    for key in ("eval_loss", "train_loss"):
+        values = [run.get(key) for run in runs]
+        merged[f"{key}_seeds"] = values
+        merged[key] = None if None in values else statistics.fmean(values)
+    merged["seeds"] = [run["seed"] for run in runs]
+    return merged
 
 
 def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -352,6 +385,8 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
     pinned = args.model_size == "default"
     scope = "" if pinned else " (model is not the pinned default: indicative only)"
     at = "each one's best LR of the sweep" if args.lr_sweep else "the default LRs (no sweep)"
+    if len(seed_list(args)) > 1:
+        at += f", held-out loss the mean of seeds {args.seeds}"
     rows: list[dict[str, Any]] = []
 
     def add(what: str, target: str, value: float | None, met: bool | None, note: str) -> None:
@@ -550,6 +585,7 @@ def parent(args: argparse.Namespace) -> int:
             print(f"note: skipping {name}: {reason}")
             skipped.append({"optimizer": name, "reason": reason})
     multipliers = SWEEP_MULTIPLIERS if args.lr_sweep else (1.0,)
+    seeds = seed_list(args)
     started = time.perf_counter()
     best: dict[str, dict[str, Any]] = {}
     failed = False
@@ -557,7 +593,10 @@ def parent(args: argparse.Namespace) -> int:
         for name in names:
             runs = []
             for multiplier in multipliers:
-                run = run_worker(name, DEFAULT_LR[name] * multiplier, args, pathlib.Path(scratch))
+                lr = DEFAULT_LR[name] * multiplier
+                run = merge_seeds(
+                    [run_worker(name, lr, args, pathlib.Path(scratch), seed) for seed in seeds]
+                )
                 runs.append(run)
                 if "skipped" in run or "failed" in run:
                     break
@@ -584,6 +623,13 @@ def parent(args: argparse.Namespace) -> int:
     rows = [best[name] for name in names if name in best]
     goals = targets(best, args)
     print_table(rows, goals)
+    if len(seeds) > 1:
+        print(
+            f"\nheld-out loss per seed ({', '.join(map(str, seeds))}); the table holds the means:"
+        )
+        for row in rows:
+            cells = " ".join(_fmt(value, ".4f") for value in row["eval_loss_seeds"])
+            print(f"  {row['optimizer']:<19}{cells}")
     env = environment(args.threads)
     config = {
         "steps": args.steps,
@@ -599,7 +645,8 @@ def parent(args: argparse.Namespace) -> int:
             "parameters": rows[0]["parameters"] if rows else None,
             "tied_head": True,
         },
-        "seed": args.seed,
+        "seed": seeds[0],
+        "seeds": seeds,
         "threads": args.threads,
         "lr_sweep": args.lr_sweep,
         "lr_multipliers": list(multipliers),
@@ -649,6 +696,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH)
     parser.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument(
+        "--seeds",
+        help="comma-separated seeds: every run repeats on each, losses (and the targets) are "
+        "the means; one seed's differences under about 1%% are noise on this model",
+    )
     parser.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads"
     )

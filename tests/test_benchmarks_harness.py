@@ -475,3 +475,124 @@ def test_ablation_summary_without_the_reference(bench: types.SimpleNamespace) ->
     assert "| `gefen_codec_none` | fp32 momentum | 0.001 |" in ablation.markdown(
         list(rows.values())
     )
+
+
+# -- several seeds: one seed's differences are noise at the size of the loss targets
+
+
+def test_compare_seeds_average_the_losses_and_keep_each(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    command = [
+        sys.executable,
+        str(COMPARE),
+        "--steps",
+        "2",
+        "--model-size",
+        "tiny",
+        "--optimizers",
+        "adamw",
+        "--threads",
+        "1",
+        "--eval-batches",
+        "2",
+        "--seeds",
+        "3,5",
+        "--out",
+        str(out),
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "held-out loss per seed (3, 5)" in completed.stdout
+    document = json.loads((out / "results.json").read_text())
+    assert document["config"]["seeds"] == [3, 5]
+    (row,) = document["results"]
+    assert row["seeds"] == [3, 5]
+    first, second = row["eval_loss_seeds"]
+    assert first != second  # each seed draws its own initialisation and data order
+    assert row["eval_loss"] == pytest.approx((first + second) / 2)
+    assert row["train_loss"] == pytest.approx(sum(row["train_loss_seeds"]) / 2)
+    goals = {goal["what"]: goal for goal in document["targets"]}
+    assert "mean of seeds 3,5" in goals["Gefen held-out loss vs AdamW"]["note"]
+
+
+def test_merge_seeds(bench: types.SimpleNamespace) -> None:
+    merge = bench.compare.merge_seeds
+    runs = [
+        {
+            "optimizer": "gefen",
+            "seed": 0,
+            "eval_loss": 2.0,
+            "train_loss": 3.0,
+            "step_ms_median": 1.0,
+        },
+        {
+            "optimizer": "gefen",
+            "seed": 1,
+            "eval_loss": 2.2,
+            "train_loss": 3.2,
+            "step_ms_median": 9.0,
+        },
+    ]
+    merged = merge(runs)
+    assert merged["eval_loss"] == pytest.approx(2.1)
+    assert merged["train_loss"] == pytest.approx(3.1)
+    assert merged["eval_loss_seeds"] == [2.0, 2.2]
+    assert merged["seeds"] == [0, 1]
+    assert merged["step_ms_median"] == 1.0  # times are the first seed's
+    diverged = [runs[0], {**runs[1], "eval_loss": None}]
+    assert merge(diverged)["eval_loss"] is None  # a seed that diverged is no mean
+    skipped = {"optimizer": "gefen", "skipped": "absent"}
+    assert merge([runs[0], skipped]) is skipped
+
+
+def test_seed_list(bench: types.SimpleNamespace) -> None:
+    seed_list = bench.compare.seed_list
+    assert seed_list(argparse.Namespace(seeds=None, seed=4)) == [4]
+    assert seed_list(argparse.Namespace(seeds="0,1,2", seed=4)) == [0, 1, 2]
+    for bad in ("0,x", "1,1"):
+        with pytest.raises(SystemExit, match="--seeds"):
+            seed_list(argparse.Namespace(seeds=bad, seed=0))
+
+
+# -- benchmarks/second_moment.py: the estimator study's reference optimizer
+
+
+def test_second_moment_exact_variant_is_torch_adamw(bench: types.SimpleNamespace) -> None:
+    study = importlib.import_module("second_moment")
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 5), torch.randn(5)]
+    ours = [w.clone().requires_grad_() for w in weights]
+    theirs = [w.clone().requires_grad_() for w in weights]
+    reference = study.Reference(ours, lr=1e-2, variant="exact")
+    adamw = torch.optim.AdamW(theirs, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    for step in range(5):
+        grads = [
+            torch.randn_like(w, generator=torch.Generator().manual_seed(step)) for w in weights
+        ]
+        for params, optimizer in ((ours, reference), (theirs, adamw)):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+    for mine, expected in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_second_moment_variants_differ_only_on_matrices(bench: types.SimpleNamespace) -> None:
+    study = importlib.import_module("second_moment")
+    grad = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # rank 2: the factored estimate misses it
+    finals = {}
+    for variant in study.VARIANTS:
+        matrix = torch.zeros(2, 2, requires_grad=True)
+        vector = torch.zeros(2, requires_grad=True)
+        optimizer = study.Reference([matrix, vector], lr=1.0, variant=variant, weight_decay=0.0)
+        matrix.grad, vector.grad = grad.clone(), torch.ones(2)
+        optimizer.step()
+        finals[variant] = (matrix.detach().clone(), vector.detach().clone())
+    # at t = 1 AdamW's update is sign(g); the factored one is g / sqrt(r_i c_j / mean r)
+    torch.testing.assert_close(finals["exact"][0], -grad)
+    torch.testing.assert_close(finals["factored"][0], -grad * 2.0**0.5)  # V = 1/2 everywhere
+    torch.testing.assert_close(finals["freshmax"][0], -grad)  # floored by g²: sign(g) again
+    for variant in study.VARIANTS:
+        torch.testing.assert_close(finals[variant][1], -torch.ones(2))
+    with pytest.raises(ValueError, match="variant"):
+        study.Reference([torch.zeros(1, requires_grad=True)], lr=1.0, variant="nope")
