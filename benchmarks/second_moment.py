@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 from compare import Decoder, batch_starts, gather, lm_loss, load_corpus, lr_factor
-from harness_config import BETAS, GRAD_CLIP, HELD_OUT_FRACTION, MODEL_SIZES, WEIGHT_DECAY
+from harness_config import (
+    BETAS,
+    DEFAULT_BATCH,
+    DEFAULT_EVAL_BATCHES,
+    GRAD_CLIP,
+    HELD_OUT_FRACTION,
+    MODEL_SIZES,
+    WEIGHT_DECAY,
+)
 from torch import Tensor
 
 VARIANTS = ("exact", "factored", "freshmax")
@@ -90,8 +98,10 @@ def train(variant: str, seed: int, size_name: str, steps: int, lr: float) -> dic
     data, _ = load_corpus()
     split = int(len(data) * (1 - HELD_OUT_FRACTION))
     train_data, held_out = data[:split], data[split:]
-    starts = batch_starts(len(train_data), steps, 8, size.context, seed)
-    eval_starts = batch_starts(len(held_out), 16, 8, size.context, seed + 1)
+    starts = batch_starts(len(train_data), steps, DEFAULT_BATCH, size.context, seed)
+    eval_starts = batch_starts(
+        len(held_out), DEFAULT_EVAL_BATCHES, DEFAULT_BATCH, size.context, seed + 1
+    )
     torch.manual_seed(seed)
     model = Decoder(size)
     optimizer = Reference(model.parameters(), lr, variant)
