@@ -43,29 +43,21 @@ def assert_step_fields(row: dict[str, Any]) -> None:
         assert row["step_extra_measured_steps"] >= 1
 
 
-def test_compare_tiny_run_writes_results_and_report(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "out"
-    command = [
-        sys.executable,
-        str(COMPARE),
-        "--steps",
-        "3",
-        "--model-size",
-        "tiny",
-        "--optimizers",
-        "adamw,gefen",
-        "--threads",
-        "1",
-        "--eval-batches",
-        "2",
-        "--out",
-        str(out),
-    ]
+def run_tiny_compare(out: pathlib.Path, *options: str) -> str:
+    """compare.py on the tiny model (one thread, two held-out batches) into ``out``; its stdout."""
+    command = [sys.executable, str(COMPARE), "--model-size", "tiny", "--threads", "1"]
+    command += ["--eval-batches", "2", "--out", str(out), *options]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    assert "met" in completed.stdout  # the targets are printed
-    assert "first ms" in completed.stdout
-    assert "extra B/p" in completed.stdout
+    return completed.stdout
+
+
+def test_compare_tiny_run_writes_results_and_report(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    stdout = run_tiny_compare(out, "--steps", "3", "--optimizers", "adamw,gefen")
+    assert "met" in stdout  # the targets are printed
+    assert "first ms" in stdout
+    assert "extra B/p" in stdout
 
     document = json.loads((out / "results.json").read_text())
     assert document["config"]["steps"] == 3
@@ -482,27 +474,8 @@ def test_ablation_summary_without_the_reference(bench: types.SimpleNamespace) ->
 
 def test_compare_seeds_average_the_losses_and_keep_each(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
-    command = [
-        sys.executable,
-        str(COMPARE),
-        "--steps",
-        "2",
-        "--model-size",
-        "tiny",
-        "--optimizers",
-        "adamw",
-        "--threads",
-        "1",
-        "--eval-batches",
-        "2",
-        "--seeds",
-        "3,5",
-        "--out",
-        str(out),
-    ]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    assert "held-out loss per seed (3, 5)" in completed.stdout
+    stdout = run_tiny_compare(out, "--steps", "2", "--optimizers", "adamw", "--seeds", "3,5")
+    assert "held-out loss per seed (3, 5)" in stdout
     document = json.loads((out / "results.json").read_text())
     assert document["config"]["seeds"] == [3, 5]
     (row,) = document["results"]
