@@ -157,9 +157,15 @@ class GefenVariant:
 
 GEFEN_ABLATION: dict[str, GefenVariant] = {
     "gefen": GefenVariant(
-        "the defaults: codebook8, factored 2-D second moment, one block per row", {}
+        "the defaults: codebook8, factored 2-D second moment floored by (1-b2)g², one block per "
+        "row",
+        {},
     ),
     "gefen_codec_none": GefenVariant("fp32 momentum", {"momentum_codec": "none"}),
+    "gefen_v_product": GefenVariant(
+        "factored second moment without the g² floor (factored_floor=False)",
+        {"factored_floor": False},
+    ),
     "gefen_v_block": GefenVariant("block second moment for matrices", {"factored_v_2d": False}),
     "gefen_v_element": GefenVariant(
         "per-element second moment (period 1 everywhere)",

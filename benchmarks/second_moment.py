@@ -7,10 +7,11 @@ whose matrices take one of these second-moment estimates ``V`` (the update is Ad
 - ``exact``: AdamW's per-element EMA of g² (this variant is torch AdamW; 8 B/param);
 - ``factored``: Gefen's (docs/core.md §6.2), ``r_i c_j / mean(r)`` from row and column EMAs;
 - ``freshmax``: ``max(factored, (1 - beta2) g²)``, the factored estimate floored by the
-  current gradient's own square, at no extra state.
+  current gradient's own square, at no extra state (Gefen's ``factored_floor=True``, its default
+  since this measurement).
 
 It isolates the estimator from Gefen's quantized momentum and block vectors, to say where the gap
-to AdamW comes from and what would close it before any kernel is changed. Usage::
+to AdamW comes from and what closes it without changing a kernel to find out. Usage::
 
     python benchmarks/second_moment.py --model-size large --steps 300 --seeds 0,1 --jobs 2
 """

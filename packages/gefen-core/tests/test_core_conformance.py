@@ -175,7 +175,7 @@ def test_deepcopy_hooks_fire_once_per_step_with_scheduler() -> None:
     assert counts == {"pre": 2, "post": 2}
     assert torch.equal(a, before)
     assert copies[1].global_step == 1
-    assert len(copies[1].defaults) == 13
+    assert len(copies[1].defaults) == 14
 
 
 def test_load_state_dict_by_keyword() -> None:

@@ -45,7 +45,9 @@ def _params(dtype: torch.dtype, device: str) -> list[torch.nn.Parameter]:
     ]
 
 
-def _optimizer(params, fused: bool, codec: str, stochastic: bool, refresh: int) -> Gefen:
+def _optimizer(
+    params, fused: bool, codec: str, stochastic: bool, refresh: int, floor: bool = True
+) -> Gefen:
     groups = [
         {"params": params[:2]},
         {"params": params[2:], "factored_v_2d": False, "lr": 5e-3, "weight_decay": 0.0},
@@ -57,6 +59,7 @@ def _optimizer(params, fused: bool, codec: str, stochastic: bool, refresh: int) 
         momentum_codec=codec,
         stochastic_round=stochastic and codec != "none",
         codebook_refresh_every=refresh,
+        factored_floor=floor,
         fused=fused,
     )
 
@@ -67,15 +70,15 @@ def _grads(params, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=generator).to(p.dtype).to(p.device)
 
 
-def _pair(codec, dtype, stochastic, refresh, device="cpu"):
+def _pair(codec, dtype, stochastic, refresh, device="cpu", floor=True):
     """Two optimizers in identical state after two eager steps: eager and fused from there."""
     params = _params(dtype, device)
-    eager = _optimizer(params, False, codec, stochastic, refresh)
+    eager = _optimizer(params, False, codec, stochastic, refresh, floor)
     for step in range(2):
         _grads(params, step)
         eager.step()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    fused = _optimizer(twin, True, codec, stochastic, refresh)
+    fused = _optimizer(twin, True, codec, stochastic, refresh, floor)
     fused.load_state_dict(copy.deepcopy(eager.state_dict()))
     return (params, eager), (twin, fused)
 
@@ -144,6 +147,21 @@ def test_fused_matches_the_eager_reference(
         _step_both(pair, step)
     _assert_trajectory_parity(pair)
     assert pair[0][1].global_step == pair[1][1].global_step == 8
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_the_eager_reference_with_the_plain_factored_estimate(
+    monkeypatch, implementation, dtype
+) -> None:
+    # factored_floor=False: the row-column product alone (the floored one is the default above)
+    _only(monkeypatch, implementation, ("cpu", dtype, "codebook8", "factored"))
+    pair = _pair("codebook8", dtype, False, 0, floor=False)
+    _step_both(pair, 2)
+    _assert_one_step_parity(pair)
+    for step in range(3, 6):
+        _step_both(pair, step)
+    _assert_trajectory_parity(pair)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -106,9 +106,9 @@ def test_the_simd_passes_match_the_portable_loops_bit_for_bit(
     for step in range(4):
         grad = (torch.randn(shape, generator=generator) * 10.0 ** (step - 2)).to(dtype)
         lr = 0.0 if step == 2 else 1e-2  # lr = 0: state advances, the parameter stays
-        scalars = StepScalars(
-            lr, (0.9, 0.999), 1e-8, 0.1, codebook, (step, 3) if stochastic else None
-        )
+        seed = (step, 3) if stochastic else None
+        # both factored estimates: the g²-floored one (its own pass) on odd steps
+        scalars = StepScalars(lr, (0.9, 0.999), 1e-8, 0.1, codebook, seed, step % 2 == 1)
         simd(param, grad, entry, scalars)
         portable(twin, grad, twin_entry, scalars)
         assert torch.equal(param, twin)

@@ -25,6 +25,7 @@ GROUP_CASES = [
     ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value"),
     ({"weight_decay": math.nan}, ValueError, "Invalid weight_decay value"),
     ({"factored_v_2d": 1}, TypeError, "factored_v_2d must be a bool"),
+    ({"factored_floor": 1.0}, TypeError, "factored_floor must be a bool"),
     ({"force_1d_period_one": "yes"}, TypeError, "force_1d_period_one must be a bool"),
     ({"force_2d_period_one": None}, TypeError, "force_2d_period_one must be a bool"),
     # Per-group since torch.optim's convention (every option may be overridden in a group):
@@ -249,9 +250,9 @@ def test_three_groups_kept_and_names_keep_case() -> None:
     assert optimizer.state_dict()["param_groups"][2]["param_names"] == ["x", "X2"]
 
 
-def test_defaults_hold_13_keys_with_tuple_betas() -> None:
+def test_defaults_hold_14_keys_with_tuple_betas() -> None:
     optimizer = Gefen(_params())
-    assert len(optimizer.defaults) == 13
+    assert len(optimizer.defaults) == 14
     assert isinstance(optimizer.defaults["betas"], tuple)
     for group in optimizer.param_groups:
         assert set(optimizer.defaults) <= set(group)
@@ -282,7 +283,7 @@ def test_fresh_state_placeholder_repr_deepcopy_and_no_print(capsys) -> None:
     assert "lr: 0.001" in text
     clone = copy.deepcopy(optimizer)
     assert clone.state[clone.param_groups[0]["params"][0]] == {"period": 0}
-    assert len(clone.defaults) == 13
+    assert len(clone.defaults) == 14
     assert "differentiable" not in clone.defaults
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -310,6 +311,7 @@ def test_requires_grad_false_parameters_accepted_and_skipped() -> None:
         ("deterministic", 1, TypeError, "deterministic must be a bool"),
         ("momentum_codec", "none", RuntimeError, "a group's codec cannot change"),
         ("factored_v_2d", "no", TypeError, "factored_v_2d must be a bool"),
+        ("factored_floor", None, TypeError, "factored_floor must be a bool"),
     ],
 )
 def test_invalid_group_edit_caught_by_step_preflight(key, value, error, fragment, rejects) -> None:
@@ -325,3 +327,30 @@ def test_invalid_group_edit_caught_by_step_preflight(key, value, error, fragment
         optimizer.param_groups[0][key] = good
 
     rejects(optimizer, optimizer.step, error, fragment, restore=restore)
+
+
+def test_factored_floor_is_a_group_option_read_every_step_and_keeps_no_state() -> None:
+    # g² far from rank one (a diagonal): the product under-estimates the diagonal 8-fold, so
+    # without the floor it moves about sqrt(8)·lr; with the floor at most lr (t = 1).
+    start = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    floored, plain = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    optimizer = Gefen(
+        [{"params": [floored]}, {"params": [plain], "factored_floor": False}], lr=1e-2
+    )
+    assert optimizer.param_groups[0]["factored_floor"] is True  # the default
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        before = floored.detach().clone(), plain.detach().clone()
+        floored.grad, plain.grad = torch.eye(8) + 1e-3, torch.eye(8) + 1e-3
+        optimizer.step()
+        return (floored.detach() - before[0]).abs(), (plain.detach() - before[1]).abs()
+
+    moved_floored, moved_plain = step()
+    assert float(moved_floored.max()) <= 1e-2 * (1 + 1e-5)
+    assert float(moved_plain.diagonal().min()) > 2e-2
+    # the floor keeps no state of its own: both parameters' state is the same
+    for key in ("v_row", "v_col", "momentum_codes", "momentum_scale"):
+        assert torch.equal(optimizer.state[floored][key], optimizer.state[plain][key]), key
+    optimizer.param_groups[0]["factored_floor"] = False  # read again at the next step
+    moved_floored, moved_plain = step()
+    torch.testing.assert_close(moved_floored, moved_plain, rtol=1e-4, atol=1e-7)

@@ -18,6 +18,7 @@ GEFEN = Factory(
         "eps": 1e-6,
         "weight_decay": 0.05,
         "factored_v_2d": False,
+        "factored_floor": False,
         "force_1d_period_one": True,
         "force_2d_period_one": True,
         "stochastic_round": True,

@@ -145,7 +145,8 @@ def test_codebook_update_applies_the_requantized_momentum() -> None:
 
 
 # §12 #32
-def test_factored_moments_are_emas_of_row_and_column_means() -> None:
+@pytest.mark.parametrize("floor", [False, True])
+def test_factored_moments_are_emas_of_row_and_column_means(floor: bool) -> None:
     rows, cols = 12, 20
     p = randn(rows, cols, seed=4)
     momentum: Momentum
@@ -164,7 +165,7 @@ def test_factored_moments_are_emas_of_row_and_column_means() -> None:
         g = randn(rows, cols, seed=300 + t)
         result = update_factored(
             p, g, momentum, v_row, v_col, period=20, step=t - 1, v_step=t - 1, lr=LR,
-            betas=BETAS, eps=EPS, weight_decay=WD,
+            betas=BETAS, eps=EPS, weight_decay=WD, factored_floor=floor,
         )  # fmt: skip
         assert result.param is not None
         p, momentum, v_row, v_col = result.param, result.momentum, result.v_row, result.v_col
@@ -174,6 +175,8 @@ def test_factored_moments_are_emas_of_row_and_column_means() -> None:
         torch.testing.assert_close(v_row.double(), ref_row, rtol=1e-6, atol=0)
         torch.testing.assert_close(v_col.double(), ref_col, rtol=1e-6, atol=0)
         v_hat = torch.outer(ref_row, ref_col) / ref_row.mean()
+        if floor:
+            v_hat = torch.maximum(v_hat, (1 - beta2) * square)
         ref_m = beta1 * ref_m + (1 - beta1) * g.double()
         denominator = (v_hat / (1 - beta2**t)).sqrt() + EPS
         ref_p = ref_p * (1 - LR * WD) - LR * ref_m / (1 - beta1**t) / denominator
@@ -196,6 +199,27 @@ def test_factored_estimate_is_exact_for_rank_one_squares() -> None:
         estimate = factored_second_moment(v_row, v_col)
         assert estimate.dtype == torch.float32
         torch.testing.assert_close(estimate.double(), ema, rtol=1e-5, atol=0)
+
+
+def test_floored_estimate_bounds_the_first_step_by_lr_where_the_product_does_not() -> None:
+    # A diagonal gradient is far from rank one: the row-column product spreads each row's mass
+    # over all 16 columns and under-estimates the diagonal 16-fold, so its first step is 4·lr;
+    # the g² floor makes v̂/bc2 >= g² at t = 1, so no element moves more than lr, as with AdamW.
+    g = torch.eye(16) + 1e-3
+    moves = {}
+    for floor in (False, True):
+        result = update_factored(
+            torch.zeros(16, 16), g, fresh_dense(16, 16), torch.zeros(16), torch.zeros(16),
+            period=16, step=0, v_step=0, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0,
+            factored_floor=floor,
+        )  # fmt: skip
+        assert result.param is not None
+        moves[floor] = result.param.abs()
+    assert float(moves[False].diagonal().min()) > 3 * LR
+    assert float(moves[True].max()) <= LR * (1 + 1e-6)
+    # off the diagonal the product is far above g² and the floor changes nothing
+    off = ~torch.eye(16, dtype=torch.bool)
+    assert torch.equal(moves[True][off], moves[False][off])
 
 
 def test_factored_estimate_floors_the_normaliser() -> None:

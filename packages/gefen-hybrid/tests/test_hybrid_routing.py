@@ -647,10 +647,18 @@ def test_unknown_backup_optimizer_is_value_error() -> None:
         ("adamw", "backup_1d_period_one", True),
         ("adamw", "backup_2d_period_one", True),
         ("adamw", "backup_factored_v_2d", False),
+        ("adamw", "backup_factored_floor", False),
         ("gefen", "backup_adamw_kwargs", {"foreach": False}),
         ("gefen", "backup_adamw_kwargs", {}),
     ],
-    ids=["1d-period-one", "2d-period-one", "factored-v-2d", "adamw-kwargs", "empty-adamw-kwargs"],
+    ids=[
+        "1d-period-one",
+        "2d-period-one",
+        "factored-v-2d",
+        "factored-floor",
+        "adamw-kwargs",
+        "empty-adamw-kwargs",
+    ],
 )
 def test_backend_specific_options_to_the_other_backend(
     backend: str, option: str, value: Any
@@ -673,6 +681,7 @@ def test_backend_options_matching_their_backend_are_accepted() -> None:
         backup_1d_period_one=True,
         backup_2d_period_one=True,
         backup_factored_v_2d=False,
+        backup_factored_floor=False,
         **FAST,
     )
     adamw = GefenMuonHybrid(
@@ -911,6 +920,7 @@ def test_gefen_backup_receives_its_options() -> None:
         backup_1d_period_one=True,
         backup_2d_period_one=True,
         backup_factored_v_2d=False,
+        backup_factored_floor=False,
         fused=False,
         stochastic_round=True,
         deterministic=True,
@@ -929,6 +939,7 @@ def test_gefen_backup_receives_its_options() -> None:
         "force_1d_period_one": True,
         "force_2d_period_one": True,
         "factored_v_2d": False,
+        "factored_floor": False,
         "fused": False,
         "stochastic_round": True,
         "deterministic": True,

@@ -115,7 +115,9 @@ class FusedUpdater:
         factored = "v_row" in entry
         stochastic = scalars.seed is not None
         packed = bool(codebooks) and is_packed(codebooks[0])
-        variant = (param.dtype, grad.dtype, len(keys), stochastic, window, flags, packed)
+        # the factored kernel's flags end with the group's factored_floor
+        kernel_flags = (*flags, scalars.factored_floor) if factored else flags
+        variant = (param.dtype, grad.dtype, len(keys), stochastic, window, kernel_flags, packed)
         if factored:
             moments = _compiled(kernels.factored_moments_, self._device_type, (grad.dtype,))
             normaliser = moments(grad.reshape(param.shape), entry["v_row"], entry["v_col"], hp)
@@ -134,7 +136,7 @@ class FusedUpdater:
                 columns = int(param.shape[-1])
                 v_row = _rows_covered(entry["v_row"], columns, first_row * period, elements)
                 factors = (v_row, entry["v_col"], normaliser)
-                update(*inputs, factors, codebooks, hp, rounding, flags)
+                update(*inputs, factors, codebooks, hp, rounding, kernel_flags)
             else:
                 update(*inputs, entry["v_block"][chunk], codebooks, hp, rounding, flags)
         if work is not param and flags[1]:
@@ -226,7 +228,7 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
         entry["v_col"] = torch.zeros(8, device=device)
     else:
         entry["v_block"] = torch.zeros(4, 1, device=device)
-    scalars = StepScalars(1e-3, (0.9, 0.999), 1e-8, 0.0, codebook)
+    scalars = StepScalars(1e-3, (0.9, 0.999), 1e-8, 0.0, codebook, None, factored_floor=True)
     with torch.no_grad():  # the commit runs without grad; grad mode is part of Dynamo's guards
         updater(param, torch.ones_like(param), entry, scalars)
 

@@ -82,6 +82,7 @@ def group_step_scalars(group: Mapping[str, Any]) -> StepScalars:
         betas=(float(group["betas"][0]), float(group["betas"][1])),
         eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
+        factored_floor=bool(group["factored_floor"]),
     )
 
 
@@ -97,7 +98,8 @@ class Gefen(OptimizerShell):
             \text{ (chosen once from the first gradient, §4)} \\
         &\textbf{second moment: } v \leftarrow \beta_2 v + (1-\beta_2)\,
             \overline{G^2}\quad (\text{one value per block, or row and column means of a
-            matrix: } \hat v_{ij} = v^{row}_i v^{col}_j / \overline{v^{row}}) \\
+            matrix: } \hat v_{ij} = \max(v^{row}_i v^{col}_j / \overline{v^{row}},\,
+            (1-\beta_2) G_{ij}^2)) \\
         &\textbf{momentum: } \hat m_t = \mathrm{dec}\big(\mathrm{enc}\big(\mathrm{lerp}
             (\mathrm{dec}(c_{t-1}, s_{t-1}), G, 1-\beta_1)\big)\big)
             \quad (c: \text{uint8 codes into the learned 256-value codebook, } s:
@@ -116,7 +118,8 @@ class Gefen(OptimizerShell):
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
         lr (float or 1-element Tensor): :math:`\gamma`. betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`, outside the square root. weight_decay: :math:`\lambda`,
-            decoupled, applied with the raw ``lr``.
+            decoupled, applied with the raw ``lr``. factored_floor: the :math:`(1-\beta_2)
+            G_{ij}^2` floor of a matrix's factored estimate (False: the product alone).
     """
 
     OWNER_NAME: ClassVar[str] = "Gefen"
@@ -134,6 +137,7 @@ class Gefen(OptimizerShell):
         weight_decay: float = 0.0,
         *,
         factored_v_2d: bool = True,
+        factored_floor: bool = True,
         force_1d_period_one: bool = False,
         force_2d_period_one: bool = False,
         codebook_refresh_every: int = 0,
@@ -149,6 +153,7 @@ class Gefen(OptimizerShell):
             "eps": eps,
             "weight_decay": weight_decay,
             "factored_v_2d": factored_v_2d,
+            "factored_floor": factored_floor,
             "force_1d_period_one": force_1d_period_one,
             "force_2d_period_one": force_2d_period_one,
             "codebook_refresh_every": codebook_refresh_every,
@@ -368,7 +373,7 @@ class Gefen(OptimizerShell):
             if planned.seed is not None:
                 scalars = StepScalars(
                     scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                    scalars.codebook, planned.seed,
+                    scalars.codebook, planned.seed, scalars.factored_floor,
                 )  # fmt: skip
             # the kernel bound to the sums the preflight computed, else the selected one
             update = bound_updates.get(id(planned.param)) or planned.updater or eager_update_
@@ -390,7 +395,7 @@ class Gefen(OptimizerShell):
                     codebooks[key[1]] = codebook.to(key[1])
                 scalars = StepScalars(
                     scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                    codebooks[key[1]],
+                    codebooks[key[1]], None, scalars.factored_floor,
                 )  # fmt: skip
             bound[key] = scalars
         return bound

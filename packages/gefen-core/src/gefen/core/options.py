@@ -45,6 +45,7 @@ GEFEN_GROUP_OPTIONS = (
     "eps",
     "weight_decay",
     "factored_v_2d",
+    "factored_floor",
     "force_1d_period_one",
     "force_2d_period_one",
 )
@@ -57,6 +58,7 @@ _WHY_OPTIMIZER_WIDE = {
 }
 GEFEN_FLAGS = (
     "factored_v_2d",
+    "factored_floor",
     "force_1d_period_one",
     "force_2d_period_one",
     "stochastic_round",

@@ -53,7 +53,8 @@ class StepScalars:
     """What one parameter's update needs besides its tensors (all read in phase 4).
 
     ``codebook`` is the codebook of codebook8 momentum (None for "none"); ``seed`` is
-    ``(global_step, param_index)`` for stochastic rounding, else None.
+    ``(global_step, param_index)`` for stochastic rounding, else None; ``factored_floor`` is the
+    group's option (the factored family floors its estimate by ``(1 - β2)·g²``).
     """
 
     lr: float
@@ -62,6 +63,7 @@ class StepScalars:
     weight_decay: float
     codebook: Tensor | None = None
     seed: tuple[int, int] | None = None
+    factored_floor: bool = False
 
 
 Updater = Callable[[Tensor, Tensor, dict[str, Any], StepScalars], None]
@@ -95,6 +97,7 @@ def eager_update_(param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: S
         result: Any = update_block(param, grad, momentum, entry["v_block"], **arguments)
         entry["v_block"].copy_(result.v_block)
     else:
+        arguments["factored_floor"] = scalars.factored_floor
         result = update_factored(param, grad, momentum, entry["v_row"], entry["v_col"], **arguments)
         entry["v_row"].copy_(result.v_row)
         entry["v_col"].copy_(result.v_col)

@@ -63,6 +63,7 @@ class HybridConfig:
     backup_2d_period_one: bool
     backup_adamw_kwargs: Mapping[str, Any] | None
     backup_factored_v_2d: bool
+    backup_factored_floor: bool
     backup_momentum_codec: str
     momentum: float
     nesterov: bool
@@ -120,6 +121,7 @@ def _check_backend_options(options: Mapping[str, Any], backend: str) -> None:
             ("backup_1d_period_one", False),
             ("backup_2d_period_one", False),
             ("backup_factored_v_2d", True),
+            ("backup_factored_floor", True),
             ("backup_momentum_codec", "codebook8"),
         ):
             if options[name] != default:
@@ -253,6 +255,7 @@ def backup_child(config: HybridConfig, groups: list[dict[str, Any]]) -> torch.op
         eps=config.eps,
         weight_decay=config.backup_weight_decay,
         factored_v_2d=config.backup_factored_v_2d,
+        factored_floor=config.backup_factored_floor,
         momentum_codec=config.backup_momentum_codec,
         force_1d_period_one=config.backup_1d_period_one,
         force_2d_period_one=config.backup_2d_period_one,

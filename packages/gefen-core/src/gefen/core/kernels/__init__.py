@@ -31,6 +31,7 @@ from gefen.core.kernels.update import (
     FactoredUpdate,
     Momentum,
     factored_second_moment,
+    floored_second_moment,
     update_block,
     update_factored,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "decide_period",
     "factored_second_moment",
     "fallback",
+    "floored_second_moment",
     "histogram",
     "mix64",
     "nearest_index",

@@ -237,11 +237,12 @@ def factored_update_(
     codebooks: tuple[Tensor, ...],
     hp: Tensor,
     rounding: Rounding,
-    flags: tuple[bool, bool],
+    flags: tuple[bool, bool, bool],
 ) -> None:
     """One chunk of whole blocks of a factored (R, C) parameter, in place, after
     ``factored_moments_``. ``factors`` is (v_row, v_col, normaliser), where ``v_row`` is either
-    the slice of the rows the chunk covers exactly or the whole vector; arguments otherwise as
+    the slice of the rows the chunk covers exactly or the whole vector; ``flags`` is ``(decay,
+    write, floor)``, ``floor`` the group's ``factored_floor``; arguments otherwise as
     ``block_update_``. Element k of the chunk is logical element ``first + k``: row
     ``(first + k) // C``, column ``(first + k) % C``."""
     hp32 = hp.to(torch.float32)
@@ -256,7 +257,9 @@ def factored_update_(
     else:
         flat = first + torch.arange(rows * period, device=grad.device, dtype=torch.int64)
         second = (v_row[flat // columns] * v_col[flat % columns] / normaliser).view(rows, period)
+    decay, write, floor = flags
+    if floor:  # update.floored_second_moment, in the same fp32 order
+        second = torch.maximum(second, (gradient * gradient) * hp32[HP_ONE_MINUS_BETA2])
     applied = advance_momentum_(gradient, state, codebooks, hp32[HP_ONE_MINUS_BETA1], rounding)
-    decay, write = flags
     if write:
         _write(param, (applied * _step_size(second, hp32)) * hp32[HP_LR], hp, decay)

@@ -30,6 +30,7 @@ __all__ = [
     "FactoredUpdate",
     "Momentum",
     "factored_second_moment",
+    "floored_second_moment",
     "update_block",
     "update_factored",
 ]
@@ -263,6 +264,16 @@ def factored_second_moment(v_row: Tensor, v_col: Tensor) -> Tensor:
     return torch.outer(v_row, v_col) / v_row.mean().clamp_min(FLT_MIN)
 
 
+def floored_second_moment(estimate: Tensor, square: Tensor, beta2: float) -> Tensor:
+    """§6.2's floor: ``max(v̂_ij, (1 - β2)·g²_ij)``, fp32 (R, C).
+
+    The row-column product spreads a row's and a column's mass evenly, so an element whose own
+    gradient is far above its row and column sees a step size far too large; this floor is what
+    the per-element EMA would hold after this one step from zero, and it costs no state.
+    """
+    return torch.maximum(estimate, square * (1.0 - beta2))
+
+
 def update_factored(
     param: Tensor,
     grad: Tensor,
@@ -279,11 +290,13 @@ def update_factored(
     weight_decay: float,
     codebook: Tensor | None = None,
     seed: tuple[int, int] | None = None,
+    factored_floor: bool = False,
 ) -> FactoredUpdate:
     """One §6.1 update of a 2-D (R, C) parameter with the factored second moment of §6.2.
 
     Arguments as in ``update_block``, with ``v_row`` fp32 (R,) and ``v_col`` fp32 (C,), the EMAs
-    of the row and column means of ``g²``, in place of ``v_block``. The momentum keeps its block
+    of the row and column means of ``g²``, in place of ``v_block``; ``factored_floor`` floors
+    the estimate by ``(1 - β2)·g²`` (``floored_second_moment``). The momentum keeps its block
     partition with ``period``. Returns a ``FactoredUpdate``; no input is modified.
     """
     with torch.no_grad():
@@ -307,8 +320,11 @@ def update_factored(
         square = (gradient * gradient).reshape(rows, cols)
         new_v_row = v_row * beta2 + square.mean(dim=1) * (1.0 - beta2)
         new_v_col = v_col * beta2 + square.mean(dim=0) * (1.0 - beta2)
+        estimate = factored_second_moment(new_v_row, new_v_col)
+        if factored_floor:
+            estimate = floored_second_moment(estimate, square, beta2)
         step_size = _step_size(
-            factored_second_moment(new_v_row, new_v_col),
+            estimate,
             t=step + 1,
             tau=v_step + 1,
             beta1=beta1,

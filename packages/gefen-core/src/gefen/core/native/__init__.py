@@ -79,6 +79,7 @@ class _Scalars(ctypes.Structure):
         ("stochastic", ctypes.c_int32),
         ("threads", ctypes.c_int32),
         ("portable", ctypes.c_int32),
+        ("factored_floor", ctypes.c_int32),
         ("stream", ctypes.c_uint64),
     ]
 
@@ -266,6 +267,7 @@ class NativeUpdater:
             int(scalars.seed is not None),
             threads,
             self._portable,
+            int(scalars.factored_floor),
             stream_value(scalars.seed),
         )
         self._packed = (scalars, t, tau, threads, packed)
@@ -365,7 +367,8 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
         entry["v_block"] = torch.zeros(4, 1)
     expected_param = param.clone()
     expected = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
-    scalars = StepScalars(1e-2, (0.9, 0.999), 1e-8, 0.1, torch.linspace(-1.0, 1.0, size))
+    codebook = torch.linspace(-1.0, 1.0, size)
+    scalars = StepScalars(1e-2, (0.9, 0.999), 1e-8, 0.1, codebook, None, factored_floor=True)
     updater(param, grad, entry, scalars)
     eager_update_(expected_param, grad, expected, scalars)
     if not torch.equal(entry["momentum_codes"], expected["momentum_codes"]) or not torch.allclose(

@@ -225,7 +225,7 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
                                 const gefen_tables *t, uint8_t *codes, void *param, int dtype,
                                 int64_t first, const float *factor, float block_s,
                                 const float *column_roots, float row_root,
-                                const gefen_scalars *s) {
+                                const void *floor_grad, float floor_k, const gefen_scalars *s) {
     const byte_table coarse[2] = {load_bytes(t->coarse), load_bytes(t->coarse + 256)};
     const float_table thresholds = load_planes(t->threshold_planes);
     const float_table cb = load_planes(t->codebook_planes);
@@ -233,7 +233,7 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
     const __m512 most = _mm512_set1_ps(maximum), lr = _mm512_set1_ps(s->lr);
     const __m512 decay = _mm512_set1_ps(s->decay), shared = _mm512_set1_ps(block_s);
     const __m512 root = _mm512_set1_ps(row_root), eps = _mm512_set1_ps(s->eps);
-    const __m512 inv_bc1 = _mm512_set1_ps(s->inv_bc1);
+    const __m512 inv_bc1 = _mm512_set1_ps(s->inv_bc1), k = _mm512_set1_ps(floor_k);
     for (int64_t j = 0; j < period; j += 64) {
         __m512 x[4], chosen[4];
         __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds, x);
@@ -248,7 +248,14 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
             __m512 size = shared;
             if (column_roots) {
                 __m512 column = _mm512_maskz_loadu_ps(m, column_roots + at);
-                size = _mm512_div_ps(inv_bc1, _mm512_add_ps(_mm512_mul_ps(root, column), eps));
+                __m512 estimate = _mm512_mul_ps(root, column);
+                if (floor_grad) { /* floor_roots(): own > estimate ? own : estimate */
+                    __m512 g = load16(floor_grad, dtype, first + at, m);
+                    __m512 own = _mm512_mul_ps(_mm512_abs_ps(g), k);
+                    __mmask16 above = _mm512_cmp_ps_mask(own, estimate, _CMP_GT_OQ);
+                    estimate = _mm512_mask_blend_ps(above, estimate, own);
+                }
+                size = _mm512_div_ps(inv_bc1, _mm512_add_ps(estimate, eps));
             } else if (factor) {
                 size = _mm512_maskz_loadu_ps(m, factor + at);
             }

@@ -52,6 +52,7 @@ typedef struct {
 typedef struct {
     float lr, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, inv_bc1, decay;
     int32_t has_decay, write, stochastic, threads, portable; /* portable: skip the SIMD passes */
+    int32_t factored_floor; /* floor the factored estimate by (1 - beta2) g^2 (§6.2) */
     uint64_t stream;
 } gefen_scalars;
 
@@ -294,10 +295,37 @@ static void encode_block(float *restrict advanced, float maximum, int64_t period
     }
 }
 
-/* The factored family's step size of each element of the block, row segment by row segment. */
-static void factored_factors(int64_t first, int64_t period, const float *restrict v_row,
-                             const float *restrict v_col, int64_t cols, float norm,
-                             const gefen_scalars *s, float *restrict factor) {
+/* The floored estimate's root, max(sqrt(v̂)/sqrt(bc2), |g|·k) with k = sqrt(1 - beta2)/sqrt(bc2):
+ * the root of §6.2's max(v̂, (1 - beta2) g²) over bc2, as sqrt is monotone (NaN propagates
+ * through ``estimate`` as in the reference: a NaN g makes its row's root NaN too). */
+static void floor_roots(const void *grad, int dtype, int64_t first, int64_t run, float r,
+                        const float *restrict v_col, float k, float *restrict root) {
+    if (dtype == DTYPE_F32) {
+        const float *restrict g = (const float *)grad + first;
+        for (int64_t i = 0; i < run; ++i) {
+            float estimate = r * v_col[i], own = fabsf(g[i]) * k;
+            root[i] = own > estimate ? own : estimate;
+        }
+    } else {
+        const uint16_t *restrict g = (const uint16_t *)grad + first;
+        for (int64_t i = 0; i < run; ++i) {
+            float estimate = r * v_col[i], own = fabsf(bf16_to_f32(g[i])) * k;
+            root[i] = own > estimate ? own : estimate;
+        }
+    }
+}
+
+/* k of floor_roots(): the gradient's factor in the floored root. */
+static inline float floor_k(const gefen_scalars *s) {
+    return sqrtf(s->one_minus_beta2) / s->sqrt_bc2;
+}
+
+/* The factored family's step size of each element of the block, row segment by row segment
+ * (``grad``/``dtype``: the gradient, read only with ``factored_floor``). */
+static void factored_factors(const void *grad, int dtype, int64_t first, int64_t period,
+                             const float *restrict v_row, const float *restrict v_col,
+                             int64_t cols, const gefen_scalars *s, float *restrict factor) {
+    float eps = s->eps, inv_bc1 = s->inv_bc1, k = floor_k(s);
     int64_t j = 0;
     while (j < period) {
         int64_t row = (first + j) / cols, col = (first + j) % cols;
@@ -305,9 +333,13 @@ static void factored_factors(int64_t first, int64_t period, const float *restric
         /* ``v_row``/``v_col`` hold sqrt(v_row / norm) and sqrt(v_col) / sqrt(bc2) here:
          * sqrt(v̂)/sqrt(bc2) as a product of per-row and per-column roots, within 2 ulp of the
          * reference and far inside the parameter bounds of §11 (it never reaches the codes). */
-        float r = v_row[row], eps = s->eps, inv_bc1 = s->inv_bc1;
-        (void)norm;
-        for (int64_t i = 0; i < run; ++i) factor[j + i] = inv_bc1 / (r * v_col[col + i] + eps);
+        float r = v_row[row];
+        if (s->factored_floor) {
+            floor_roots(grad, dtype, first + j, run, r, v_col + col, k, factor + j);
+            for (int64_t i = 0; i < run; ++i) factor[j + i] = inv_bc1 / (factor[j + i] + eps);
+        } else {
+            for (int64_t i = 0; i < run; ++i) factor[j + i] = inv_bc1 / (r * v_col[col + i] + eps);
+        }
         j += run;
     }
 }
@@ -376,7 +408,7 @@ static float mean_square(const void *grad, int dtype, int64_t first, int64_t per
 
 static void update_blocks(void *param, const void *grad, int dtype, uint8_t *codes, float *scale,
                           float *v_block, const float *v_row, const float *v_col, int64_t cols,
-                          float norm, int64_t blocks, int64_t period, const float *cb,
+                          int64_t blocks, int64_t period, const float *cb,
                           const gefen_tables *t, const gefen_scalars *s, int *failed) {
     int64_t sub = period < SCRATCH ? period : SCRATCH;
     int packed = t->size <= PACKED_CODEBOOK_SIZE;
@@ -418,18 +450,20 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                         int64_t col = v_block ? 0 : (first + o) % cols;
                         const float *column = !v_block && col + len <= cols ? v_col + col : NULL;
                         if (!v_block && !column)
-                            factored_factors(first + o, len, v_row, v_col, cols, norm, s,
+                            factored_factors(grad, dtype, first + o, len, v_row, v_col, cols, s,
                                              w.factor);
                         commit_nearest_simd(w.advanced, maximum, len, t,
                                             packed ? w.bytes : sub_codes,
                                             param, dtype, first + o, column ? NULL : factor,
-                                            block_s, column, column ? v_row[row] : 0.0f, s);
+                                            block_s, column, column ? v_row[row] : 0.0f,
+                                            s->factored_floor ? grad : NULL, floor_k(s), s);
                         if (packed) pack_codes(w.bytes, len, sub_codes);
                         continue;
                     }
 #endif
                     if (!v_block)
-                        factored_factors(first + o, len, v_row, v_col, cols, norm, s, w.factor);
+                        factored_factors(grad, dtype, first + o, len, v_row, v_col, cols, s,
+                                         w.factor);
                     encode_block(w.advanced, maximum, len, cb, t, s, first + o, &w, sub_codes);
                     if (s->write)
                         apply_block(param, dtype, first + o, len, w.advanced, maximum, factor,
@@ -505,7 +539,7 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
         for (int64_t c = 0; c < cols; ++c) roots[rows + c] = sqrtf(v_col[c]) / s->sqrt_bc2;
     }
     update_blocks(param, grad, dtype, codes, scale, v_block, roots, roots ? roots + rows : NULL,
-                  cols, norm, blocks, period, codebook, tables, s, &failed);
+                  cols, blocks, period, codebook, tables, s, &failed);
     free(roots);
     return failed ? 2 : 0;
 }
