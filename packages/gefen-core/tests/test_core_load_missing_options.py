@@ -35,6 +35,22 @@ def test_a_group_saved_without_lr_warns_with_the_value_it_gets() -> None:
     assert not torch.equal(before, param.detach())
 
 
+def test_a_checkpoint_from_before_factored_floor_loads_with_the_constructors_choice() -> None:
+    # Checkpoints written before the option existed lack it; the optimizer they load into
+    # decides (here the former estimate, to keep a run's trajectory), and the warning says so.
+    _, _, saved = _saved()
+    del saved["param_groups"][0]["factored_floor"]
+    param = torch.nn.Parameter(torch.randn(8, 4))
+    resumed = Gefen([param], lr=0.1, weight_decay=0.0, factored_floor=False)
+    with pytest.warns(UserWarning, match=r"without 'factored_floor'.*\(factored_floor=False\)"):
+        resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["factored_floor"] is False
+    before = param.detach().clone()
+    param.grad = torch.randn(8, 4)
+    resumed.step()
+    assert not torch.equal(before, param.detach())
+
+
 def test_several_missing_options_are_named_in_one_warning() -> None:
     optimizer, _, saved = _saved()
     for name in ("eps", "betas"):
