@@ -331,6 +331,30 @@ def test_round_trip_then_step_resumes_bit_exactly(backend: str, form: str) -> No
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_without_normuon_resumes_without_it_in_a_default_hybrid(backend: str) -> None:
+    """NorMuon became the default after checkpoints were written with ``normuon=False``: such a
+    checkpoint keeps its own setting (torch restores group options on load), so resuming it in
+    a hybrid built with the new default continues the old run bit for bit."""
+    model, hybrid = _build(backend, normuon=False)
+    _stepped(hybrid, steps=2)
+    twin_model = copy.deepcopy(model)
+    twin = _on(twin_model, "full", backend)
+    assert twin.muon is not None
+    assert twin.muon.param_groups[0]["normuon"] is True
+    twin.load_state_dict(copy.deepcopy(hybrid.state_dict()))
+    assert twin.muon.param_groups[0]["normuon"] is False
+    for step in range(2):
+        _set_grads(hybrid, 300 + 10 * step)
+        _set_grads(twin, 300 + 10 * step)
+        hybrid.step()
+        twin.step()
+        for p, q in zip(_params(hybrid), _params(twin), strict=True):
+            assert torch.equal(p.detach(), q.detach())
+    assert not any("normuon_v" in entry for entry in twin.muon.state.values())
+    _same(twin.state_dict(), hybrid.state_dict())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_load_state_dict_accepts_the_keyword(backend: str) -> None:
     _, hybrid, saved = _saved_then_stepped(backend)
     hybrid.load_state_dict(state_dict=saved)

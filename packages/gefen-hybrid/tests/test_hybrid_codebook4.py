@@ -1,9 +1,10 @@
 """The hybrid with 4-bit momentum: ``momentum_codec`` (the Muon child) and
 ``backup_momentum_codec`` (the Gefen backup) set to ``"codebook4"``.
 
-Each child learns its own 16-value codebook and keeps two codes per byte; the whole model's
-state stays under 0.6 byte per parameter; a state dict resumes a fresh hybrid bit for bit; the
-AdamW backup refuses the Gefen-only option.
+Each child learns its own 16-value codebook and keeps two codes per byte; the codec's state
+stays under 0.6 byte per parameter, and NorMuon (the hybrid's default) adds exactly one fp32 per
+matrix row; a state dict resumes a fresh hybrid bit for bit; the AdamW backup refuses the
+Gefen-only option.
 """
 
 from __future__ import annotations
@@ -80,7 +81,15 @@ def test_both_children_keep_4_bit_codes_under_0_6_byte_per_parameter() -> None:
     entry = optimizer.state[model.hidden.weight]
     assert entry["momentum_codes"].shape == (128, 32)
     numel = sum(p.numel() for p in model.parameters())
-    assert _state_bytes(optimizer) / numel < 0.6
+    # NorMuon's row statistics: one fp32 per row (its age is a Python int). This toy model's
+    # matrices have 64 or 128 columns, so they add 0.026 B/param here; on the harness's model,
+    # 0.015 (0.533 B/param in all).
+    rows = model.hidden.weight.shape[0] + model.mix.weight.shape[0]
+    for matrix in (model.hidden.weight, model.mix.weight):
+        assert optimizer.state[matrix]["normuon_v"].shape == (matrix.shape[0], 1)
+        assert optimizer.state[matrix]["normuon_v"].dtype == torch.float32
+    normuon_bytes = 4 * rows
+    assert _state_bytes(optimizer) - normuon_bytes < 0.6 * numel
     eight_model = _Net()
     eight = GefenMuonHybrid(eight_model, lr=1e-2)
     _train(eight_model, eight, range(3))

@@ -284,7 +284,7 @@ MUON_GROUP_OPTIONS: dict[str, Any] = {
     "ns_steps": 3,
     "adjust_lr_fn": "original",
     "momentum_codec": "none",
-    "normuon": True,
+    "normuon": False,  # the hybrid's default is True
     "stochastic_round": True,
     "deterministic": True,
     "check_finite": False,

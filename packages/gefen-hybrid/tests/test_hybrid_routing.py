@@ -1012,7 +1012,9 @@ def test_deliberate_defaults_reach_both_children(backend: str) -> None:
     assert muon_group["nesterov"] is True
     assert muon_group["ns_schedule"] == "standard"
     assert muon_group["adjust_lr_fn"] == "match_rms_adamw"
-    assert muon_group["normuon"] is False
+    # NorMuon is the hybrid's default (GefenMuon alone keeps torch Muon's algorithm).
+    assert GefenMuon([_p(4, 4)]).defaults["normuon"] is False
+    assert muon_group["normuon"] is True
     assert muon_group["momentum_codec"] == "codebook8"
     assert muon_group["sharded_mode"] == "exact"
     for group in hybrid.backup.param_groups:
