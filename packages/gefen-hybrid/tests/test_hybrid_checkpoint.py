@@ -85,6 +85,17 @@ def _stepped(hybrid: GefenMuonHybrid, steps: int = 1, seed: int = 50) -> None:
         hybrid.step()
 
 
+def _step_in_lockstep(hybrid: GefenMuonHybrid, twin: GefenMuonHybrid, steps: int) -> None:
+    """Step both on the same gradients; their parameters must stay bitwise equal."""
+    for step in range(steps):
+        _set_grads(hybrid, 300 + 10 * step)
+        _set_grads(twin, 300 + 10 * step)
+        hybrid.step()
+        twin.step()
+        for p, q in zip(_params(hybrid), _params(twin), strict=True):
+            assert torch.equal(p.detach(), q.detach())
+
+
 def _counters(hybrid: GefenMuonHybrid) -> tuple[int, ...]:
     counts = []
     for child in hybrid.children:
@@ -319,13 +330,7 @@ def test_round_trip_then_step_resumes_bit_exactly(backend: str, form: str) -> No
     twin.load_state_dict(loaded)
     _same(twin.state_dict(), hybrid.state_dict())
     assert _counters(twin) == _counters(hybrid)
-    for step in range(3):
-        _set_grads(hybrid, 300 + 10 * step)
-        _set_grads(twin, 300 + 10 * step)
-        hybrid.step()
-        twin.step()
-        for p, q in zip(_params(hybrid), _params(twin), strict=True):
-            assert torch.equal(p.detach(), q.detach())
+    _step_in_lockstep(hybrid, twin, steps=3)
     _same(twin.state_dict(), hybrid.state_dict())
     assert _counters(twin) == tuple(5 for _ in hybrid.children)
 
@@ -343,13 +348,7 @@ def test_a_checkpoint_without_normuon_resumes_without_it_in_a_default_hybrid(bac
     assert twin.muon.param_groups[0]["normuon"] is True
     twin.load_state_dict(copy.deepcopy(hybrid.state_dict()))
     assert twin.muon.param_groups[0]["normuon"] is False
-    for step in range(2):
-        _set_grads(hybrid, 300 + 10 * step)
-        _set_grads(twin, 300 + 10 * step)
-        hybrid.step()
-        twin.step()
-        for p, q in zip(_params(hybrid), _params(twin), strict=True):
-            assert torch.equal(p.detach(), q.detach())
+    _step_in_lockstep(hybrid, twin, steps=2)
     assert not any("normuon_v" in entry for entry in twin.muon.state.values())
     _same(twin.state_dict(), hybrid.state_dict())
 
