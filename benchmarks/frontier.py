@@ -2,11 +2,18 @@
 per parameter, with the Pareto front (no other optimizer has both fewer bytes and a lower loss).
 
 ``compare.py`` calls ``front`` for its targets and ``plot_frontier`` for ``OUT/frontier.png``.
+Run alone, it charts several runs' ``results.json`` together, a later file's row replacing an
+earlier one of the same optimizer (rerun a few optimizers without rerunning every peer):
+
+    python benchmarks/frontier.py OUT.png full/results.json rerun/results.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import pathlib
+import sys
 from typing import Any
 
 OURS = ("gefen", "gefen_q4", "gefen_muon_gefen", "gefen_muon_adamw", "gefen_muon_gefen_q4")
@@ -82,3 +89,31 @@ def plot_frontier(rows: list[dict[str, Any]], path: pathlib.Path, title: str) ->
     figure.tight_layout()
     figure.savefig(path, dpi=80)
     plt.close(figure)
+
+
+def merged_rows(paths: list[pathlib.Path]) -> list[dict[str, Any]]:
+    """The rows of every file in order, a later file's row replacing an earlier one's of the same
+    optimizer (it keeps its position)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        for row in json.loads(path.read_text())["results"]:
+            rows[row["optimizer"]] = row
+    return list(rows.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=pathlib.Path, help="the chart to write (.png)")
+    parser.add_argument("results", type=pathlib.Path, nargs="+", help="results.json files")
+    parser.add_argument("--title", default="", help="the chart's title")
+    args = parser.parse_args(argv)
+    rows = merged_rows(args.results)
+    plot_frontier(rows, args.out, args.title)
+    for name, size, loss in sorted(points(rows), key=lambda point: point[1]):
+        on = "front" if name in front(points(rows)) else ""
+        print(f"{name:24s} {size:7.3f} B/param  {loss:.4f}  {on}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -157,11 +157,14 @@ class GefenVariant:
 
 GEFEN_ABLATION: dict[str, GefenVariant] = {
     "gefen": GefenVariant(
-        "the defaults: codebook8, factored 2-D second moment floored by (1-b2)g², one block per "
-        "row",
+        "the defaults: codebook8, factored 2-D second moment floored by (1-b2)g², Nesterov "
+        "look-ahead, one block per row",
         {},
     ),
     "gefen_codec_none": GefenVariant("fp32 momentum", {"momentum_codec": "none"}),
+    "gefen_no_nesterov": GefenVariant(
+        "the stored momentum applied, AdamW's update (nesterov=False)", {"nesterov": False}
+    ),
     "gefen_v_product": GefenVariant(
         "factored second moment without the g² floor (factored_floor=False)",
         {"factored_floor": False},

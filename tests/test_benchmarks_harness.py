@@ -416,6 +416,31 @@ def test_pareto_front(bench: types.SimpleNamespace) -> None:
     assert frontier.points(rows) == [("gefen", 1.0, 2.5)]  # the eager twin is left out
 
 
+def test_frontier_merges_runs_a_later_row_replacing_an_earlier_one(
+    bench: types.SimpleNamespace, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    frontier = importlib.import_module("frontier")
+    full, rerun = tmp_path / "full.json", tmp_path / "rerun.json"
+    full.write_text(json.dumps({"results": [
+        {"optimizer": "apollo_mini", "eval_loss": 2.45, "state_bytes_per_param": 0.41},
+        {"optimizer": "gefen", "eval_loss": 2.51, "state_bytes_per_param": 1.05},
+        {"optimizer": "adamw", "eval_loss": 2.49, "state_bytes_per_param": 8.0},
+    ]}))  # fmt: skip
+    rerun.write_text(json.dumps({"results": [
+        {"optimizer": "gefen", "eval_loss": 2.43, "state_bytes_per_param": 1.05},
+    ]}))  # fmt: skip
+    rows = frontier.merged_rows([full, rerun])
+    assert [row["optimizer"] for row in rows] == ["apollo_mini", "gefen", "adamw"]
+    assert rows[1]["eval_loss"] == 2.43
+    chart = tmp_path / "frontier.png"
+    assert frontier.main([str(chart), str(full), str(rerun)]) == 0
+    assert chart.stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "gefen" in printed
+    assert "2.4300  front" in printed  # the rerun's loss, now below APOLLO-Mini's
+    assert frontier.front(frontier.points(frontier.merged_rows([full]))) == ["apollo_mini"]
+
+
 # -- Gefen-X (its own venv: its regular ``gefen`` package would shadow ours)
 
 GEFENX = ("gefenx", "gefenx_hybrid")

@@ -11,6 +11,7 @@ PARITY_OPTIONS = {
     "force_1d_period_one": True,
     "force_2d_period_one": True,
     "factored_v_2d": False,
+    "nesterov": False,  # AdamW applies the stored momentum; the look-ahead is NAdamW's
 }
 
 

@@ -42,21 +42,25 @@ def test_loss_decreases(scheduler: bool) -> None:
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_per_group_lr_and_weight_decay() -> None:
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_per_group_lr_and_weight_decay(nesterov: bool) -> None:
     a, b, c = (torch.nn.Parameter(torch.ones(4, 4)) for _ in range(3))
     optimizer = Gefen(
         [
             {"params": [a], "lr": 0.1},
             {"params": [b], "lr": 0.0},
             {"params": [c], "lr": 0.1, "weight_decay": 1.0},
-        ]
+        ],
+        nesterov=nesterov,
     )
     for p in (a, b, c):
         p.grad = torch.ones(4, 4)
     optimizer.step()
+    # the first step moves lr·g/|g|, and (1 + β1) times that with the look-ahead
+    move = 0.1 * (1.9 if nesterov else 1.0)
     assert torch.equal(b, torch.ones(4, 4))  # lr 0 group unchanged
-    assert float(a.detach().mean()) == pytest.approx(0.9, abs=1e-3)
-    assert float(c.detach().mean()) == pytest.approx(1 * (1 - 0.1) - 0.1, abs=1e-3)
+    assert float(a.detach().mean()) == pytest.approx(1 - move, abs=1e-3)
+    assert float(c.detach().mean()) == pytest.approx(1 * (1 - 0.1) - move, abs=1e-3)
 
 
 def test_zero_grads_with_zero_weight_decay_leave_params_unchanged() -> None:
@@ -175,7 +179,7 @@ def test_deepcopy_hooks_fire_once_per_step_with_scheduler() -> None:
     assert counts == {"pre": 2, "post": 2}
     assert torch.equal(a, before)
     assert copies[1].global_step == 1
-    assert len(copies[1].defaults) == 14
+    assert len(copies[1].defaults) == 15
 
 
 def test_load_state_dict_by_keyword() -> None:

@@ -46,7 +46,13 @@ def _params(dtype: torch.dtype, device: str) -> list[torch.nn.Parameter]:
 
 
 def _optimizer(
-    params, fused: bool, codec: str, stochastic: bool, refresh: int, floor: bool = True
+    params,
+    fused: bool,
+    codec: str,
+    stochastic: bool,
+    refresh: int,
+    floor: bool = True,
+    nesterov: bool = True,
 ) -> Gefen:
     groups = [
         {"params": params[:2]},
@@ -60,6 +66,7 @@ def _optimizer(
         stochastic_round=stochastic and codec != "none",
         codebook_refresh_every=refresh,
         factored_floor=floor,
+        nesterov=nesterov,
         fused=fused,
     )
 
@@ -70,15 +77,15 @@ def _grads(params, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=generator).to(p.dtype).to(p.device)
 
 
-def _pair(codec, dtype, stochastic, refresh, device="cpu", floor=True):
+def _pair(codec, dtype, stochastic, refresh, device="cpu", floor=True, nesterov=True):
     """Two optimizers in identical state after two eager steps: eager and fused from there."""
     params = _params(dtype, device)
-    eager = _optimizer(params, False, codec, stochastic, refresh, floor)
+    eager = _optimizer(params, False, codec, stochastic, refresh, floor, nesterov)
     for step in range(2):
         _grads(params, step)
         eager.step()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    fused = _optimizer(twin, True, codec, stochastic, refresh, floor)
+    fused = _optimizer(twin, True, codec, stochastic, refresh, floor, nesterov)
     fused.load_state_dict(copy.deepcopy(eager.state_dict()))
     return (params, eager), (twin, fused)
 
@@ -157,6 +164,22 @@ def test_fused_matches_the_eager_reference_with_the_plain_factored_estimate(
     # factored_floor=False: the row-column product alone (the floored one is the default above)
     _only(monkeypatch, implementation, ("cpu", dtype, "codebook8", "factored"))
     pair = _pair("codebook8", dtype, False, 0, floor=False)
+    _step_both(pair, 2)
+    _assert_one_step_parity(pair)
+    for step in range(3, 6):
+        _step_both(pair, step)
+    _assert_trajectory_parity(pair)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["block", "factored"])
+def test_fused_matches_the_eager_reference_without_nesterov(
+    monkeypatch, implementation, dtype, family
+) -> None:
+    # nesterov=False: the stored momentum applied as it is (the look-ahead is the default above)
+    _only(monkeypatch, implementation, ("cpu", dtype, "codebook8", family))
+    pair = _pair("codebook8", dtype, False, 0, nesterov=False)
     _step_both(pair, 2)
     _assert_one_step_parity(pair)
     for step in range(3, 6):

@@ -35,16 +35,19 @@ def test_a_group_saved_without_lr_warns_with_the_value_it_gets() -> None:
     assert not torch.equal(before, param.detach())
 
 
-def test_a_checkpoint_from_before_factored_floor_loads_with_the_constructors_choice() -> None:
+@pytest.mark.parametrize("option", ["factored_floor", "nesterov"])
+def test_a_checkpoint_from_before_an_option_loads_with_the_constructors_choice(
+    option: str,
+) -> None:
     # Checkpoints written before the option existed lack it; the optimizer they load into
-    # decides (here the former estimate, to keep a run's trajectory), and the warning says so.
+    # decides (here the former behaviour, to keep a run's trajectory), and the warning says so.
     _, _, saved = _saved()
-    del saved["param_groups"][0]["factored_floor"]
+    del saved["param_groups"][0][option]
     param = torch.nn.Parameter(torch.randn(8, 4))
-    resumed = Gefen([param], lr=0.1, weight_decay=0.0, factored_floor=False)
-    with pytest.warns(UserWarning, match=r"without 'factored_floor'.*\(factored_floor=False\)"):
+    resumed = Gefen([param], lr=0.1, weight_decay=0.0, **{option: False})
+    with pytest.warns(UserWarning, match=rf"without '{option}'.*\({option}=False\)"):
         resumed.load_state_dict(saved)
-    assert resumed.param_groups[0]["factored_floor"] is False
+    assert resumed.param_groups[0][option] is False
     before = param.detach().clone()
     param.grad = torch.randn(8, 4)
     resumed.step()

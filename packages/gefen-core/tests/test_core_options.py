@@ -26,6 +26,7 @@ GROUP_CASES = [
     ({"weight_decay": math.nan}, ValueError, "Invalid weight_decay value"),
     ({"factored_v_2d": 1}, TypeError, "factored_v_2d must be a bool"),
     ({"factored_floor": 1.0}, TypeError, "factored_floor must be a bool"),
+    ({"nesterov": 1}, TypeError, "nesterov must be a bool"),
     ({"force_1d_period_one": "yes"}, TypeError, "force_1d_period_one must be a bool"),
     ({"force_2d_period_one": None}, TypeError, "force_2d_period_one must be a bool"),
     # Per-group since torch.optim's convention (every option may be overridden in a group):
@@ -250,9 +251,9 @@ def test_three_groups_kept_and_names_keep_case() -> None:
     assert optimizer.state_dict()["param_groups"][2]["param_names"] == ["x", "X2"]
 
 
-def test_defaults_hold_14_keys_with_tuple_betas() -> None:
+def test_defaults_hold_15_keys_with_tuple_betas() -> None:
     optimizer = Gefen(_params())
-    assert len(optimizer.defaults) == 14
+    assert len(optimizer.defaults) == 15
     assert isinstance(optimizer.defaults["betas"], tuple)
     for group in optimizer.param_groups:
         assert set(optimizer.defaults) <= set(group)
@@ -283,7 +284,7 @@ def test_fresh_state_placeholder_repr_deepcopy_and_no_print(capsys) -> None:
     assert "lr: 0.001" in text
     clone = copy.deepcopy(optimizer)
     assert clone.state[clone.param_groups[0]["params"][0]] == {"period": 0}
-    assert len(clone.defaults) == 14
+    assert len(clone.defaults) == 15
     assert "differentiable" not in clone.defaults
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -334,8 +335,11 @@ def test_factored_floor_is_a_group_option_read_every_step_and_keeps_no_state() -
     # without the floor it moves about sqrt(8)·lr; with the floor at most lr (t = 1).
     start = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     floored, plain = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    # nesterov=False: the bound is the stored momentum's (the look-ahead moves up to (1 + β1)·lr)
     optimizer = Gefen(
-        [{"params": [floored]}, {"params": [plain], "factored_floor": False}], lr=1e-2
+        [{"params": [floored]}, {"params": [plain], "factored_floor": False}],
+        lr=1e-2,
+        nesterov=False,
     )
     assert optimizer.param_groups[0]["factored_floor"] is True  # the default
 

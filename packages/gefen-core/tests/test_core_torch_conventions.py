@@ -19,6 +19,7 @@ GEFEN = Factory(
         "weight_decay": 0.05,
         "factored_v_2d": False,
         "factored_floor": False,
+        "nesterov": False,
         "force_1d_period_one": True,
         "force_2d_period_one": True,
         "stochastic_round": True,

@@ -145,8 +145,9 @@ def test_codebook_update_applies_the_requantized_momentum() -> None:
 
 
 # §12 #32
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("floor", [False, True])
-def test_factored_moments_are_emas_of_row_and_column_means(floor: bool) -> None:
+def test_factored_moments_are_emas_of_row_and_column_means(floor: bool, nesterov: bool) -> None:
     rows, cols = 12, 20
     p = randn(rows, cols, seed=4)
     momentum: Momentum
@@ -165,7 +166,7 @@ def test_factored_moments_are_emas_of_row_and_column_means(floor: bool) -> None:
         g = randn(rows, cols, seed=300 + t)
         result = update_factored(
             p, g, momentum, v_row, v_col, period=20, step=t - 1, v_step=t - 1, lr=LR,
-            betas=BETAS, eps=EPS, weight_decay=WD, factored_floor=floor,
+            betas=BETAS, eps=EPS, weight_decay=WD, factored_floor=floor, nesterov=nesterov,
         )  # fmt: skip
         assert result.param is not None
         p, momentum, v_row, v_col = result.param, result.momentum, result.v_row, result.v_col
@@ -178,8 +179,10 @@ def test_factored_moments_are_emas_of_row_and_column_means(floor: bool) -> None:
         if floor:
             v_hat = torch.maximum(v_hat, (1 - beta2) * square)
         ref_m = beta1 * ref_m + (1 - beta1) * g.double()
+        # NAdamW's look-ahead: the update applies β1·m_t + (1 - β1)·g_t; m_t alone is stored
+        applied = beta1 * ref_m + (1 - beta1) * g.double() if nesterov else ref_m
         denominator = (v_hat / (1 - beta2**t)).sqrt() + EPS
-        ref_p = ref_p * (1 - LR * WD) - LR * ref_m / (1 - beta1**t) / denominator
+        ref_p = ref_p * (1 - LR * WD) - LR * applied / (1 - beta1**t) / denominator
         torch.testing.assert_close(p.double(), ref_p, rtol=1e-5, atol=1e-7)
 
 
@@ -426,6 +429,37 @@ def test_stochastic_rounding_replays_and_depends_on_the_parameter_index() -> Non
     advanced = torch.lerp(torch.zeros(32, 16), grad, 1 - BETAS[0])
     expected_codes, _ = encode_blocks(advanced, codebook(), 16, seed=(5, 2))
     assert torch.equal(codes_of(first), expected_codes)
+
+
+def test_nesterov_applies_the_look_ahead_and_stores_what_plain_momentum_stores() -> None:
+    blocks, period = 32, 16
+    p = randn(blocks * period, seed=7)
+    momentum, v = fresh_codes(blocks, period), torch.zeros(blocks, 1)
+    for t in range(1, 4):
+        g = randn(blocks * period, seed=400 + t)
+        arguments: dict[str, Any] = {
+            "period": period, "step": t - 1, "v_step": t - 1, "lr": LR, "betas": BETAS,
+            "eps": EPS, "weight_decay": WD, "codebook": codebook(),
+        }  # fmt: skip
+        plain = update_block(p, g, momentum, v, **arguments)
+        ahead = update_block(p, g, momentum, v, nesterov=True, **arguments)
+        assert isinstance(ahead.momentum, CodebookMomentum)
+        assert isinstance(plain.momentum, CodebookMomentum)
+        # the look-ahead is applied, never stored: the new state is bit for bit the plain one
+        assert torch.equal(ahead.momentum.codes, plain.momentum.codes)
+        assert torch.equal(ahead.momentum.scale, plain.momentum.scale)
+        assert torch.equal(ahead.v_block, plain.v_block)
+        stored = decode_blocks(ahead.momentum.codes, ahead.momentum.scale, codebook()).double()
+        g64 = g.double().reshape(blocks, period)
+        applied = BETAS[0] * stored + (1 - BETAS[0]) * g64
+        denominator = (ahead.v_block.double() / (1 - BETAS[1] ** t)).sqrt() + EPS
+        decayed = p.double().reshape(blocks, period) * (1 - LR * WD)
+        expected = decayed - LR * applied / (1 - BETAS[0] ** t) / denominator
+        assert ahead.param is not None
+        assert plain.param is not None
+        torch.testing.assert_close(ahead.param.double(), expected.reshape(-1), rtol=1e-6, atol=1e-7)
+        assert not torch.allclose(ahead.param, plain.param, rtol=1e-6, atol=1e-7)
+        p, momentum, v = ahead.param, ahead.momentum, ahead.v_block
 
 
 def test_block_kernel_reproduces_torch_adamw_for_20_steps() -> None:

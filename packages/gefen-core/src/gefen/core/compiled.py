@@ -115,8 +115,9 @@ class FusedUpdater:
         factored = "v_row" in entry
         stochastic = scalars.seed is not None
         packed = bool(codebooks) and is_packed(codebooks[0])
-        # the factored kernel's flags end with the group's factored_floor
-        kernel_flags = (*flags, scalars.factored_floor) if factored else flags
+        # then the group's options: factored_floor (the factored kernel only) and nesterov
+        floor = (scalars.factored_floor,) if factored else ()
+        kernel_flags = (*flags, *floor, scalars.nesterov)
         variant = (param.dtype, grad.dtype, len(keys), stochastic, window, kernel_flags, packed)
         if factored:
             moments = _compiled(kernels.factored_moments_, self._device_type, (grad.dtype,))
@@ -138,7 +139,7 @@ class FusedUpdater:
                 factors = (v_row, entry["v_col"], normaliser)
                 update(*inputs, factors, codebooks, hp, rounding, kernel_flags)
             else:
-                update(*inputs, entry["v_block"][chunk], codebooks, hp, rounding, flags)
+                update(*inputs, entry["v_block"][chunk], codebooks, hp, rounding, kernel_flags)
         if work is not param and flags[1]:
             param.copy_(work)
         entry["step"], entry["v_step"] = t, tau
@@ -228,7 +229,10 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
         entry["v_col"] = torch.zeros(8, device=device)
     else:
         entry["v_block"] = torch.zeros(4, 1, device=device)
-    scalars = StepScalars(1e-3, (0.9, 0.999), 1e-8, 0.0, codebook, None, factored_floor=True)
+    # the defaults' variant, so that a default run compiles nothing after this
+    scalars = StepScalars(
+        1e-3, (0.9, 0.999), 1e-8, 0.0, codebook, None, factored_floor=True, nesterov=True
+    )
     with torch.no_grad():  # the commit runs without grad; grad mode is part of Dynamo's guards
         updater(param, torch.ones_like(param), entry, scalars)
 

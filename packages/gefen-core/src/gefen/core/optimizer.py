@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -83,11 +83,12 @@ def group_step_scalars(group: Mapping[str, Any]) -> StepScalars:
         eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
         factored_floor=bool(group["factored_floor"]),
+        nesterov=bool(group["nesterov"]),
     )
 
 
 class Gefen(OptimizerShell):
-    r"""AdamW with 8-bit codebook momentum and a block or factored second moment.
+    r"""NAdamW with 8-bit codebook momentum and a block or factored second moment.
 
     About one byte of optimizer state per parameter (AdamW keeps eight). The algorithm, per
     parameter with a gradient :math:`g_t` (normative order and rounding: docs/core.md §6):
@@ -104,15 +105,18 @@ class Gefen(OptimizerShell):
             (\mathrm{dec}(c_{t-1}, s_{t-1}), G, 1-\beta_1)\big)\big)
             \quad (c: \text{uint8 codes into the learned 256-value codebook, } s:
             \text{block absmax}) \\
-        &p_t = p_{t-1}(1 - \gamma\lambda) - \gamma\, \frac{\hat m_t / (1-\beta_1^t)}
+        &\textbf{look-ahead (nesterov, default): } a_t = \mathrm{lerp}(\hat m_t, G,
+            1-\beta_1) = \beta_1 \hat m_t + (1-\beta_1) G \quad (\text{else } a_t = \hat m_t) \\
+        &p_t = p_{t-1}(1 - \gamma\lambda) - \gamma\, \frac{a_t / (1-\beta_1^t)}
             {\sqrt{v / (1-\beta_2^\tau)} + \epsilon}
         \end{aligned}
 
-    The update uses the re-quantized momentum :math:`\hat m_t` (what is stored is what is
-    applied). The codebook is learned once from the first gradients' histogram and refreshed
-    every ``codebook_refresh_every`` steps. ``momentum_codec="none"`` keeps an fp32 momentum
-    instead. Every hyperparameter has a default in ``defaults`` so ``add_param_group`` and the
-    LR schedulers work as with AdamW; the package README lists the options.
+    The update builds on the re-quantized momentum :math:`\hat m_t`, which is what is stored;
+    the look-ahead (NAdamW's) is applied, never stored. The codebook is learned once from the
+    first gradients' histogram and refreshed every ``codebook_refresh_every`` steps.
+    ``momentum_codec="none"`` keeps an fp32 momentum instead. Every hyperparameter has a default
+    in ``defaults`` so ``add_param_group`` and the LR schedulers work as with AdamW; the package
+    README lists the options.
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
@@ -120,6 +124,7 @@ class Gefen(OptimizerShell):
         eps: :math:`\epsilon`, outside the square root. weight_decay: :math:`\lambda`,
             decoupled, applied with the raw ``lr``. factored_floor: the :math:`(1-\beta_2)
             G_{ij}^2` floor of a matrix's factored estimate (False: the product alone).
+            nesterov: apply :math:`a_t` (False: :math:`\hat m_t`, AdamW's update).
     """
 
     OWNER_NAME: ClassVar[str] = "Gefen"
@@ -138,6 +143,7 @@ class Gefen(OptimizerShell):
         *,
         factored_v_2d: bool = True,
         factored_floor: bool = True,
+        nesterov: bool = True,
         force_1d_period_one: bool = False,
         force_2d_period_one: bool = False,
         codebook_refresh_every: int = 0,
@@ -154,6 +160,7 @@ class Gefen(OptimizerShell):
             "weight_decay": weight_decay,
             "factored_v_2d": factored_v_2d,
             "factored_floor": factored_floor,
+            "nesterov": nesterov,
             "force_1d_period_one": force_1d_period_one,
             "force_2d_period_one": force_2d_period_one,
             "codebook_refresh_every": codebook_refresh_every,
@@ -371,10 +378,7 @@ class Gefen(OptimizerShell):
                 grad = local_tensor(grad)
             scalars = bound[(planned.position[0], planned.local.device)]
             if planned.seed is not None:
-                scalars = StepScalars(
-                    scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                    scalars.codebook, planned.seed, scalars.factored_floor,
-                )  # fmt: skip
+                scalars = replace(scalars, seed=planned.seed)
             # the kernel bound to the sums the preflight computed, else the selected one
             update = bound_updates.get(id(planned.param)) or planned.updater or eager_update_
             update(planned.local, grad, entry, scalars)
@@ -393,10 +397,7 @@ class Gefen(OptimizerShell):
             if codebook is not None and group_uses_codebook(planned.group):
                 if key[1] not in codebooks:
                     codebooks[key[1]] = codebook.to(key[1])
-                scalars = StepScalars(
-                    scalars.lr, scalars.betas, scalars.eps, scalars.weight_decay,
-                    codebooks[key[1]], None, scalars.factored_floor,
-                )  # fmt: skip
+                scalars = replace(scalars, codebook=codebooks[key[1]], seed=None)
             bound[key] = scalars
         return bound
 

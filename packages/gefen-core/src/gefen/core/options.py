@@ -46,6 +46,7 @@ GEFEN_GROUP_OPTIONS = (
     "weight_decay",
     "factored_v_2d",
     "factored_floor",
+    "nesterov",
     "force_1d_period_one",
     "force_2d_period_one",
 )
@@ -59,6 +60,7 @@ _WHY_OPTIMIZER_WIDE = {
 GEFEN_FLAGS = (
     "factored_v_2d",
     "factored_floor",
+    "nesterov",
     "force_1d_period_one",
     "force_2d_period_one",
     "stochastic_round",

@@ -54,7 +54,8 @@ class StepScalars:
 
     ``codebook`` is the codebook of codebook8 momentum (None for "none"); ``seed`` is
     ``(global_step, param_index)`` for stochastic rounding, else None; ``factored_floor`` is the
-    group's option (the factored family floors its estimate by ``(1 - β2)·g²``).
+    group's option (the factored family floors its estimate by ``(1 - β2)·g²``); ``nesterov``
+    is the group's option (the update applies ``lerp(m̂, G, 1 - β1)`` instead of ``m̂``).
     """
 
     lr: float
@@ -64,6 +65,7 @@ class StepScalars:
     codebook: Tensor | None = None
     seed: tuple[int, int] | None = None
     factored_floor: bool = False
+    nesterov: bool = False
 
 
 Updater = Callable[[Tensor, Tensor, dict[str, Any], StepScalars], None]
@@ -91,6 +93,7 @@ def eager_update_(param: Tensor, grad: Tensor, entry: dict[str, Any], scalars: S
         "weight_decay": scalars.weight_decay,
         "codebook": scalars.codebook,
         "seed": scalars.seed,
+        "nesterov": scalars.nesterov,
     }
     momentum = _momentum_of(entry)
     if "v_block" in entry:

@@ -64,6 +64,7 @@ class HybridConfig:
     backup_adamw_kwargs: Mapping[str, Any] | None
     backup_factored_v_2d: bool
     backup_factored_floor: bool
+    backup_nesterov: bool
     backup_momentum_codec: str
     momentum: float
     nesterov: bool
@@ -122,6 +123,7 @@ def _check_backend_options(options: Mapping[str, Any], backend: str) -> None:
             ("backup_2d_period_one", False),
             ("backup_factored_v_2d", True),
             ("backup_factored_floor", True),
+            ("backup_nesterov", True),
             ("backup_momentum_codec", "codebook8"),
         ):
             if options[name] != default:
@@ -256,6 +258,7 @@ def backup_child(config: HybridConfig, groups: list[dict[str, Any]]) -> torch.op
         weight_decay=config.backup_weight_decay,
         factored_v_2d=config.backup_factored_v_2d,
         factored_floor=config.backup_factored_floor,
+        nesterov=config.backup_nesterov,
         momentum_codec=config.backup_momentum_codec,
         force_1d_period_one=config.backup_1d_period_one,
         force_2d_period_one=config.backup_2d_period_one,

@@ -32,6 +32,7 @@ from gefen.core.kernels.update import (
     Momentum,
     factored_second_moment,
     floored_second_moment,
+    nesterov_momentum,
     update_block,
     update_factored,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "histogram",
     "mix64",
     "nearest_index",
+    "nesterov_momentum",
     "pad_codebook",
     "period_errors",
     "row_period",

@@ -198,12 +198,12 @@ def block_update_(
     codebooks: tuple[Tensor, ...],
     hp: Tensor,
     rounding: Rounding,
-    flags: tuple[bool, bool],
+    flags: tuple[bool, bool, bool],
 ) -> None:
     """One chunk of whole blocks of a block-family parameter, in place.
 
     ``param`` and ``grad`` are (b, P) views in logical order, ``v_block`` (b, 1); ``rounding``
-    is a ``Rounding``; ``flags`` is ``(decay, write)``.
+    is a ``Rounding``; ``flags`` is ``(decay, write, nesterov)``.
     """
     hp32 = hp.to(torch.float32)
     gradient = grad.to(torch.float32)
@@ -213,7 +213,9 @@ def block_update_(
     )
     v_block.copy_(new_v)
     applied = advance_momentum_(gradient, state, codebooks, hp32[HP_ONE_MINUS_BETA1], rounding)
-    decay, write = flags
+    decay, write, nesterov = flags
+    if nesterov:  # update.nesterov_momentum
+        applied = torch.lerp(applied, gradient, hp32[HP_ONE_MINUS_BETA1])
     if write:
         _write(param, (applied * _step_size(new_v, hp32)) * hp32[HP_LR], hp, decay)
 
@@ -237,12 +239,12 @@ def factored_update_(
     codebooks: tuple[Tensor, ...],
     hp: Tensor,
     rounding: Rounding,
-    flags: tuple[bool, bool, bool],
+    flags: tuple[bool, bool, bool, bool],
 ) -> None:
     """One chunk of whole blocks of a factored (R, C) parameter, in place, after
     ``factored_moments_``. ``factors`` is (v_row, v_col, normaliser), where ``v_row`` is either
     the slice of the rows the chunk covers exactly or the whole vector; ``flags`` is ``(decay,
-    write, floor)``, ``floor`` the group's ``factored_floor``; arguments otherwise as
+    write, floor, nesterov)``, ``floor`` the group's ``factored_floor``; arguments otherwise as
     ``block_update_``. Element k of the chunk is logical element ``first + k``: row
     ``(first + k) // C``, column ``(first + k) % C``."""
     hp32 = hp.to(torch.float32)
@@ -257,9 +259,11 @@ def factored_update_(
     else:
         flat = first + torch.arange(rows * period, device=grad.device, dtype=torch.int64)
         second = (v_row[flat // columns] * v_col[flat % columns] / normaliser).view(rows, period)
-    decay, write, floor = flags
+    decay, write, floor, nesterov = flags
     if floor:  # update.floored_second_moment, in the same fp32 order
         second = torch.maximum(second, (gradient * gradient) * hp32[HP_ONE_MINUS_BETA2])
     applied = advance_momentum_(gradient, state, codebooks, hp32[HP_ONE_MINUS_BETA1], rounding)
+    if nesterov:  # update.nesterov_momentum
+        applied = torch.lerp(applied, gradient, hp32[HP_ONE_MINUS_BETA1])
     if write:
         _write(param, (applied * _step_size(second, hp32)) * hp32[HP_LR], hp, decay)

@@ -31,6 +31,7 @@ __all__ = [
     "Momentum",
     "factored_second_moment",
     "floored_second_moment",
+    "nesterov_momentum",
     "update_block",
     "update_factored",
 ]
@@ -159,6 +160,13 @@ def _advance_momentum(
     return CodebookMomentum(codes, scale), stored
 
 
+def nesterov_momentum(stored: Tensor, gradient: Tensor, beta1: float) -> Tensor:
+    """NAdam's look-ahead: ``lerp(m̂, G, 1 - β1) = β1·m̂ + (1 - β1)·G``, the momentum the
+    next step would hold if the gradient repeated, applied in place of ``m̂``. Nothing is
+    stored: the codes keep ``m̂`` alone, so the state and its bytes are those without it."""
+    return torch.lerp(stored, gradient, 1.0 - beta1)
+
+
 def _step_size(
     second_moment: Tensor, *, t: int, tau: int, beta1: float, beta2: float, eps: float
 ) -> Tensor:
@@ -211,6 +219,7 @@ def update_block(
     weight_decay: float,
     codebook: Tensor | None = None,
     seed: tuple[int, int] | None = None,
+    nesterov: bool = False,
 ) -> BlockUpdate:
     """One §6.1 update of a block-family parameter; returns the staged state and parameter.
 
@@ -226,6 +235,7 @@ def update_block(
             from a tensor by the caller).
         codebook: the fp32 codebook, required by (and only by) codebook momentum.
         seed: ``(global_step, param_index)`` for stochastic rounding, or None for nearest.
+        nesterov: apply ``lerp(m̂, G, 1 - β1)`` (``nesterov_momentum``) instead of ``m̂``.
 
     Returns a ``BlockUpdate`` with the new momentum, ``v_block``, counters ``(t, τ)`` and the new
     parameter value (contiguous, parameter dtype and shape), or ``param=None`` when ``lr == 0``.
@@ -254,6 +264,8 @@ def update_block(
         new_momentum, applied_momentum = _advance_momentum(
             momentum, gradient, beta1, codebook, seed
         )
+        if nesterov:
+            applied_momentum = nesterov_momentum(applied_momentum, gradient, beta1)
         update = (applied_momentum * step_size) * lr
         new_param = _new_parameter(param, update, lr=lr, weight_decay=weight_decay)
     return BlockUpdate(new_momentum, new_v_block, new_param, step + 1, v_step + 1)
@@ -291,6 +303,7 @@ def update_factored(
     codebook: Tensor | None = None,
     seed: tuple[int, int] | None = None,
     factored_floor: bool = False,
+    nesterov: bool = False,
 ) -> FactoredUpdate:
     """One §6.1 update of a 2-D (R, C) parameter with the factored second moment of §6.2.
 
@@ -334,6 +347,8 @@ def update_factored(
         new_momentum, applied_momentum = _advance_momentum(
             momentum, gradient, beta1, codebook, seed
         )
+        if nesterov:
+            applied_momentum = nesterov_momentum(applied_momentum, gradient, beta1)
         update = (applied_momentum.reshape(rows, cols) * step_size) * lr
         new_param = _new_parameter(param, update, lr=lr, weight_decay=weight_decay)
     return FactoredUpdate(new_momentum, new_v_row, new_v_col, new_param, step + 1, v_step + 1)

@@ -80,6 +80,7 @@ class _Scalars(ctypes.Structure):
         ("threads", ctypes.c_int32),
         ("portable", ctypes.c_int32),
         ("factored_floor", ctypes.c_int32),
+        ("nesterov", ctypes.c_int32),
         ("stream", ctypes.c_uint64),
     ]
 
@@ -268,6 +269,7 @@ class NativeUpdater:
             threads,
             self._portable,
             int(scalars.factored_floor),
+            int(scalars.nesterov),
             stream_value(scalars.seed),
         )
         self._packed = (scalars, t, tau, threads, packed)
@@ -368,7 +370,9 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
     expected_param = param.clone()
     expected = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
     codebook = torch.linspace(-1.0, 1.0, size)
-    scalars = StepScalars(1e-2, (0.9, 0.999), 1e-8, 0.1, codebook, None, factored_floor=True)
+    scalars = StepScalars(
+        1e-2, (0.9, 0.999), 1e-8, 0.1, codebook, None, factored_floor=True, nesterov=True
+    )
     updater(param, grad, entry, scalars)
     eager_update_(expected_param, grad, expected, scalars)
     if not torch.equal(entry["momentum_codes"], expected["momentum_codes"]) or not torch.allclose(

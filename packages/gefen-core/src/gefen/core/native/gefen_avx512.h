@@ -126,6 +126,13 @@ static inline void store16(void *base, int dtype, int64_t i, __mmask16 m, __m512
     else _mm256_mask_storeu_epi16((uint16_t *)base + i, m, packed);
 }
 
+/* lerp_float() on sixteen lanes (``rest`` = 1 - weight, ``low`` = weight < 0.5). */
+static inline __m512 lerp_simd(__m512 start, __m512 end, __m512 weight, __m512 rest, int low) {
+    __m512 diff = _mm512_sub_ps(end, start);
+    return low ? _mm512_add_ps(start, _mm512_mul_ps(weight, diff))
+               : _mm512_sub_ps(end, _mm512_mul_ps(diff, rest));
+}
+
 /* advance(): decode, lerp, store, and the block's |max| on the bit patterns. */
 static float advance_simd(const void *grad, int dtype, int64_t first, int64_t period,
                           const uint8_t *codes, float old_scale, const gefen_tables *t,
@@ -146,9 +153,7 @@ static float advance_simd(const void *grad, int dtype, int64_t first, int64_t pe
             __mmask16 m = lanes(period - at);
             __m512 start = _mm512_mul_ps(decoded[r], scale);
             __m512 end = load16(grad, dtype, first + at, m);
-            __m512 diff = _mm512_sub_ps(end, start);
-            __m512 value = low ? _mm512_add_ps(start, _mm512_mul_ps(w, diff))
-                               : _mm512_sub_ps(end, _mm512_mul_ps(diff, rest));
+            __m512 value = lerp_simd(start, end, w, rest, low);
             store_floats(advanced + at, m, value);
             __m512i bits = _mm512_and_si512(_mm512_castps_si512(value), magnitude);
             top = _mm512_mask_max_epu32(top, m, top, bits);
@@ -220,12 +225,13 @@ static inline __m512i nearest64(const float *advanced, int64_t left, float maxim
 /* encode_block (nearest) and apply_block in one pass; ``factor`` as in apply_block, or, for a
  * stretch of one row of a factored parameter, NULL with ``column_roots`` (its columns' roots)
  * and ``row_root``: the step sizes are then computed here, as factored_factors does (the
- * division runs beside the table lookups instead of in a loop of its own). */
+ * division runs beside the table lookups instead of in a loop of its own). ``grad`` is read
+ * again only for ``factored_floor`` (with ``column_roots``) and ``nesterov``. */
 static void commit_nearest_simd(const float *advanced, float maximum, int64_t period,
                                 const gefen_tables *t, uint8_t *codes, void *param, int dtype,
                                 int64_t first, const float *factor, float block_s,
-                                const float *column_roots, float row_root,
-                                const void *floor_grad, float floor_k, const gefen_scalars *s) {
+                                const float *column_roots, float row_root, const void *grad,
+                                float floor_k, const gefen_scalars *s) {
     const byte_table coarse[2] = {load_bytes(t->coarse), load_bytes(t->coarse + 256)};
     const float_table thresholds = load_planes(t->threshold_planes);
     const float_table cb = load_planes(t->codebook_planes);
@@ -234,6 +240,9 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
     const __m512 decay = _mm512_set1_ps(s->decay), shared = _mm512_set1_ps(block_s);
     const __m512 root = _mm512_set1_ps(row_root), eps = _mm512_set1_ps(s->eps);
     const __m512 inv_bc1 = _mm512_set1_ps(s->inv_bc1), k = _mm512_set1_ps(floor_k);
+    const __m512 w = _mm512_set1_ps(s->one_minus_beta1);
+    const __m512 rest = _mm512_set1_ps(1.0f - s->one_minus_beta1);
+    int low = s->one_minus_beta1 < 0.5f;
     for (int64_t j = 0; j < period; j += 64) {
         __m512 x[4], chosen[4];
         __m512i index = nearest64(advanced + j, period - j, maximum, t, coarse, &thresholds, x);
@@ -249,8 +258,8 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
             if (column_roots) {
                 __m512 column = _mm512_maskz_loadu_ps(m, column_roots + at);
                 __m512 estimate = _mm512_mul_ps(root, column);
-                if (floor_grad) { /* floor_roots(): own > estimate ? own : estimate */
-                    __m512 g = load16(floor_grad, dtype, first + at, m);
+                if (s->factored_floor) { /* floor_roots(): own > estimate ? own : estimate */
+                    __m512 g = load16(grad, dtype, first + at, m);
                     __m512 own = _mm512_mul_ps(_mm512_abs_ps(g), k);
                     __mmask16 above = _mm512_cmp_ps_mask(own, estimate, _CMP_GT_OQ);
                     estimate = _mm512_mask_blend_ps(above, estimate, own);
@@ -259,7 +268,10 @@ static void commit_nearest_simd(const float *advanced, float maximum, int64_t pe
             } else if (factor) {
                 size = _mm512_maskz_loadu_ps(m, factor + at);
             }
-            __m512 update = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(chosen[r], most), size), lr);
+            __m512 momentum = _mm512_mul_ps(chosen[r], most);
+            if (s->nesterov) momentum = lerp_simd(momentum, load16(grad, dtype, first + at, m),
+                                                  w, rest, low);
+            __m512 update = _mm512_mul_ps(_mm512_mul_ps(momentum, size), lr);
             __m512 current = load16(param, dtype, first + at, m);
             if (s->has_decay) current = _mm512_mul_ps(current, decay);
             store16(param, dtype, first + at, m, _mm512_sub_ps(current, update));

@@ -53,6 +53,7 @@ typedef struct {
     float lr, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, inv_bc1, decay;
     int32_t has_decay, write, stochastic, threads, portable; /* portable: skip the SIMD passes */
     int32_t factored_floor; /* floor the factored estimate by (1 - beta2) g^2 (§6.2) */
+    int32_t nesterov;       /* apply lerp(m, g, 1 - beta1) instead of the stored m */
     uint64_t stream;
 } gefen_scalars;
 
@@ -182,6 +183,11 @@ static void scratch_free(scratch *w) {
     free(w->bytes);
 }
 
+/* torch.lerp's formula for a scalar weight in [0, 1], operation for operation. */
+static inline float lerp_float(float start, float end, float weight) {
+    return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
 /* Pass 1: advanced = lerp(cb[codes]·scale, g, w); returns max |advanced| (NaN if any is NaN:
  * on the bit patterns of |x|, integer order is float order and NaNs sort above +Inf, so the
  * integer maximum vectorises and still propagates NaN). */
@@ -189,12 +195,11 @@ static float advance(const void *grad, int dtype, int64_t first, int64_t period,
                      const uint8_t *codes, float old_scale, const float *cb, float weight,
                      float *advanced, int packed) {
     uint32_t top = 0;
-    int low = weight < 0.5f;
     for (int64_t j = 0; j < period; ++j) {
         float start = cb[code_at(codes, j, packed)] * old_scale;
         float end = dtype == DTYPE_F32 ? ((const float *)grad)[first + j]
                                        : bf16_to_f32(((const uint16_t *)grad)[first + j]);
-        float value = low ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+        float value = lerp_float(start, end, weight);
         advanced[j] = value;
         uint32_t bits;
         memcpy(&bits, &value, sizeof bits);
@@ -345,19 +350,24 @@ static void factored_factors(const void *grad, int dtype, int64_t first, int64_t
 }
 
 /* Pass 3: apply the re-quantized momentum and write the parameter (one final rounding).
- * ``factor`` holds per-element step sizes (factored family) or is NULL (``block_s``). */
+ * ``factor`` holds per-element step sizes (factored family) or is NULL (``block_s``); with
+ * ``nesterov`` the momentum applied is lerp(m, g, 1 - beta1), ``grad`` read once more. */
 #define APPLY_LOOP(LOAD, STORE, FACTOR)                                                        \
     for (int64_t j = 0; j < period; ++j) {                                                   \
-        float update = ((chosen[j] * maximum) * (FACTOR)) * lr;                              \
+        float momentum = chosen[j] * maximum;                                                \
+        if (nesterov) momentum = lerp_float(momentum, load(grad, dtype, first + j), weight); \
+        float update = (momentum * (FACTOR)) * lr;                                           \
         float current = LOAD;                                                                \
         current = has_decay ? current * decay : current;                                     \
         STORE(current - update);                                                             \
     }
 
-static void apply_block(void *restrict param, int dtype, int64_t first, int64_t period,
-                        const float *restrict chosen, float maximum,
-                        const float *restrict factor, float block_s, const gefen_scalars *s) {
-    float lr = s->lr, decay = s->decay;
+static void apply_block(void *restrict param, const void *restrict grad, int dtype,
+                        int64_t first, int64_t period, const float *restrict chosen,
+                        float maximum, const float *restrict factor, float block_s,
+                        const gefen_scalars *s) {
+    float lr = s->lr, decay = s->decay, weight = s->one_minus_beta1;
+    int nesterov = s->nesterov;
     int has_decay = s->has_decay;
     float *restrict p32 = (float *)param + first;
     uint16_t *restrict p16 = (uint16_t *)param + first;
@@ -456,7 +466,7 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                                             packed ? w.bytes : sub_codes,
                                             param, dtype, first + o, column ? NULL : factor,
                                             block_s, column, column ? v_row[row] : 0.0f,
-                                            s->factored_floor ? grad : NULL, floor_k(s), s);
+                                            grad, floor_k(s), s);
                         if (packed) pack_codes(w.bytes, len, sub_codes);
                         continue;
                     }
@@ -466,8 +476,8 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                                          w.factor);
                     encode_block(w.advanced, maximum, len, cb, t, s, first + o, &w, sub_codes);
                     if (s->write)
-                        apply_block(param, dtype, first + o, len, w.advanced, maximum, factor,
-                                    block_s, s);
+                        apply_block(param, grad, dtype, first + o, len, w.advanced, maximum,
+                                    factor, block_s, s);
                 }
             }
         }
