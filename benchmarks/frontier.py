@@ -3,9 +3,12 @@ per parameter, with the Pareto front (no other optimizer has both fewer bytes an
 
 ``compare.py`` calls ``front`` for its targets and ``plot_frontier`` for ``OUT/frontier.png``.
 Run alone, it charts several runs' ``results.json`` together, a later file's row replacing an
-earlier one of the same optimizer (rerun a few optimizers without rerunning every peer):
+earlier one of the same optimizer (rerun a few optimizers without rerunning every peer); a
+file named as ``PATH:a,b`` gives only those optimizers' rows (a rerun that also holds rows the
+chart should not take):
 
     python benchmarks/frontier.py OUT.png full/results.json rerun/results.json
+    python benchmarks/frontier.py OUT.png full/results.json rerun/results.json:gefen,gefen_q4
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def plot_frontier(rows: list[dict[str, Any]], path: pathlib.Path, title: str) ->
         )
     by_name = {name: (size, loss) for name, size, loss in found}
     if on:
-        xs, ys = [], []
+        xs: list[float] = []
+        ys: list[float] = []
         for name in on:  # a staircase: the best loss reachable at each size
             size, loss = by_name[name]
             if xs:
@@ -91,20 +95,38 @@ def plot_frontier(rows: list[dict[str, Any]], path: pathlib.Path, title: str) ->
     plt.close(figure)
 
 
-def merged_rows(paths: list[pathlib.Path]) -> list[dict[str, Any]]:
+def source(argument: str) -> tuple[pathlib.Path, frozenset[str] | None]:
+    """``PATH`` (every row) or ``PATH:a,b`` (only those optimizers' rows); a file whose own name
+    holds a colon is taken whole."""
+    path, _, names = argument.rpartition(":")
+    if not path or pathlib.Path(argument).exists():
+        return pathlib.Path(argument), None
+    return pathlib.Path(path), frozenset(name.strip() for name in names.split(",") if name.strip())
+
+
+def merged_rows(sources: list[pathlib.Path | str]) -> list[dict[str, Any]]:
     """The rows of every file in order, a later file's row replacing an earlier one's of the same
-    optimizer (it keeps its position)."""
+    optimizer (it keeps its position). A source ``PATH:a,b`` gives only those optimizers; a name
+    it lacks is an error (a typo would otherwise chart the old row silently)."""
     rows: dict[str, dict[str, Any]] = {}
-    for path in paths:
-        for row in json.loads(path.read_text())["results"]:
-            rows[row["optimizer"]] = row
+    for argument in sources:
+        path, wanted = source(str(argument))
+        found = {row["optimizer"]: row for row in json.loads(path.read_text())["results"]}
+        missing = sorted((wanted or frozenset()) - found.keys())
+        if missing:
+            raise ValueError(f"{path} has no rows for {', '.join(missing)}")
+        for name, row in found.items():
+            if wanted is None or name in wanted:
+                rows[name] = row
     return list(rows.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=pathlib.Path, help="the chart to write (.png)")
-    parser.add_argument("results", type=pathlib.Path, nargs="+", help="results.json files")
+    parser.add_argument(
+        "results", nargs="+", help="results.json files, each optionally PATH:optimizer,optimizer"
+    )
     parser.add_argument("--title", default="", help="the chart's title")
     args = parser.parse_args(argv)
     rows = merged_rows(args.results)

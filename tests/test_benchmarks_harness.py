@@ -416,19 +416,24 @@ def test_pareto_front(bench: types.SimpleNamespace) -> None:
     assert frontier.points(rows) == [("gefen", 1.0, 2.5)]  # the eager twin is left out
 
 
+def write_results(path: pathlib.Path, *rows: tuple[str, float, float]) -> pathlib.Path:
+    """A results.json holding (optimizer, held-out loss, state bytes/param) rows."""
+    keys = ("optimizer", "eval_loss", "state_bytes_per_param")
+    path.write_text(json.dumps({"results": [dict(zip(keys, row, strict=True)) for row in rows]}))
+    return path
+
+
 def test_frontier_merges_runs_a_later_row_replacing_an_earlier_one(
     bench: types.SimpleNamespace, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     frontier = importlib.import_module("frontier")
-    full, rerun = tmp_path / "full.json", tmp_path / "rerun.json"
-    full.write_text(json.dumps({"results": [
-        {"optimizer": "apollo_mini", "eval_loss": 2.45, "state_bytes_per_param": 0.41},
-        {"optimizer": "gefen", "eval_loss": 2.51, "state_bytes_per_param": 1.05},
-        {"optimizer": "adamw", "eval_loss": 2.49, "state_bytes_per_param": 8.0},
-    ]}))  # fmt: skip
-    rerun.write_text(json.dumps({"results": [
-        {"optimizer": "gefen", "eval_loss": 2.43, "state_bytes_per_param": 1.05},
-    ]}))  # fmt: skip
+    full = write_results(
+        tmp_path / "full.json",
+        ("apollo_mini", 2.45, 0.41),
+        ("gefen", 2.51, 1.05),
+        ("adamw", 2.49, 8.0),
+    )
+    rerun = write_results(tmp_path / "rerun.json", ("gefen", 2.43, 1.05))
     rows = frontier.merged_rows([full, rerun])
     assert [row["optimizer"] for row in rows] == ["apollo_mini", "gefen", "adamw"]
     assert rows[1]["eval_loss"] == 2.43
@@ -439,6 +444,20 @@ def test_frontier_merges_runs_a_later_row_replacing_an_earlier_one(
     assert "gefen" in printed
     assert "2.4300  front" in printed  # the rerun's loss, now below APOLLO-Mini's
     assert frontier.front(frontier.points(frontier.merged_rows([full]))) == ["apollo_mini"]
+
+
+def test_frontier_takes_only_the_named_rows_of_a_file(
+    bench: types.SimpleNamespace, tmp_path: pathlib.Path
+) -> None:
+    frontier = importlib.import_module("frontier")
+    full = write_results(tmp_path / "full.json", ("gefen", 2.51, 1.05), ("hybrid", 2.19, 1.03))
+    rerun = write_results(tmp_path / "rerun.json", ("gefen", 2.43, 1.05), ("hybrid", 2.30, 1.03))
+    rows = frontier.merged_rows([full, f"{rerun}:gefen"])
+    assert {row["optimizer"]: row["eval_loss"] for row in rows} == {"gefen": 2.43, "hybrid": 2.19}
+    every = frontier.merged_rows([full, rerun])
+    assert {row["optimizer"]: row["eval_loss"] for row in every} == {"gefen": 2.43, "hybrid": 2.30}
+    with pytest.raises(ValueError, match="has no rows for gefen_q4"):
+        frontier.merged_rows([full, f"{rerun}:gefen,gefen_q4"])
 
 
 # -- Gefen-X (its own venv: its regular ``gefen`` package would shadow ours)

@@ -123,7 +123,7 @@ def _check_backend_options(options: Mapping[str, Any], backend: str) -> None:
             ("backup_2d_period_one", False),
             ("backup_factored_v_2d", True),
             ("backup_factored_floor", True),
-            ("backup_nesterov", True),
+            ("backup_nesterov", False),
             ("backup_momentum_codec", "codebook8"),
         ):
             if options[name] != default:

@@ -126,7 +126,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         backup_adamw_kwargs: Mapping[str, Any] | None = None,
         backup_factored_v_2d: bool = True,
         backup_factored_floor: bool = True,
-        backup_nesterov: bool = True,
+        backup_nesterov: bool = False,
         backup_momentum_codec: str = "codebook8",
         momentum: float = 0.95,
         nesterov: bool = True,
