@@ -199,6 +199,12 @@ def eval_steps(steps: int) -> list[int]:
 # -- one optimizer in one process --------------------------------------------------------------
 
 
+def device_of(args: argparse.Namespace) -> str:
+    """``--device``; callers that build their own arguments (ablation.py, tests) train on the
+    CPU."""
+    return str(getattr(args, "device", "cpu"))
+
+
 def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     """Train the model with ``name`` at peak ``lr``; the worker subprocess's whole job."""
     from tqdm import tqdm
@@ -212,8 +218,9 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     eval_starts = batch_starts(
         len(held_out), args.eval_batches, args.batch, size.context, args.seed + 1
     )
+    device = torch.device(device_of(args))
     torch.manual_seed(args.seed)
-    model = Decoder(size)
+    model = Decoder(size).to(device)
     parameters = sum(p.numel() for p in model.parameters())
     rss_before = peak_rss_mb()
     try:
@@ -226,14 +233,14 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
         raise
     groups = optimizer.param_groups
     base_lrs = [float(group["lr"]) for group in groups]
-    meter = StepMemory(next(model.parameters()).device)
+    meter = StepMemory(device)
     measured_from = timing_warmup(args.steps)
 
     def evaluate() -> float:
         model.eval()
         with torch.no_grad():
             losses = [
-                lm_loss(model, gather(held_out, row, size.context), size.vocab).item()
+                lm_loss(model, gather(held_out, row, size.context).to(device), size.vocab).item()
                 for row in eval_starts
             ]
         model.train()
@@ -250,12 +257,14 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     )
     for step in progress:
         set_lr(groups, base_lrs, lr_factor(step, args.steps))
-        loss = lm_loss(model, gather(train_data, train_starts[step], size.context), size.vocab)
+        tokens = gather(train_data, train_starts[step], size.context).to(device)
+        loss = lm_loss(model, tokens, size.vocab)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         try:  # the meter brackets step() alone: forward/backward memory is not the optimizer's
-            step_seconds.append(timed_step(optimizer, meter if step >= measured_from else None))
+            meter_now = meter if step >= measured_from else None
+            step_seconds.append(timed_step(optimizer, meter_now, device))
         except Exception as error:
             if step == 0 and name in PEER_MODULES:
                 return {"optimizer": name, "skipped": f"not usable here: {error!r}"[:300]}
@@ -275,6 +284,7 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": name,
         "lr": lr,
         "seed": args.seed,
+        "device": str(device),
         "parameters": parameters,
         "train_loss": sum(tail) / len(tail),
         "eval_loss": eval_curve[-1][1] if eval_curve and not diverged else None,
@@ -335,6 +345,8 @@ def run_worker(
         str(seed),
         "--threads",
         str(args.threads),
+        "--device",
+        device_of(args),
     ]
     completed = subprocess.run(command, check=False, env=worker_env())
     if completed.returncode != 0 or not out.exists():
@@ -705,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads"
     )
     parser.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
     parser.add_argument(
         "--lr-sweep",
         action="store_true",
@@ -716,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.eval_batches < 1 or args.threads < 1:
         parser.error("--steps, --batch, --eval-batches and --threads must be positive")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     if args.worker:
         result = train_one(args.worker, args.worker_lr, args)
         pathlib.Path(args.worker_out).write_text(json.dumps(json_safe(result)))

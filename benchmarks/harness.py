@@ -487,12 +487,26 @@ class StepMemory:
         }
 
 
-def timed_step(optimizer: Any, meter: StepMemory | None = None) -> float:
-    """Seconds of one ``optimizer.step()``; ``meter`` brackets it outside the timed span."""
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(
+    optimizer: Any, meter: StepMemory | None = None, device: torch.device | None = None
+) -> float:
+    """Seconds of one ``optimizer.step()``; ``meter`` brackets it outside the timed span. On a
+    CUDA ``device`` the span starts and ends with a synchronize, so it holds the kernels' time,
+    not only their launches."""
     if meter is not None:
         meter.before()
+    if device is not None:
+        synchronize(device)
     begin = time.perf_counter()
     optimizer.step()
+    if device is not None:
+        synchronize(device)
     seconds = time.perf_counter() - begin
     if meter is not None:
         meter.after()
@@ -573,6 +587,7 @@ def environment(threads: int) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),  # type: ignore[no-untyped-call]
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

@@ -3,11 +3,11 @@
 For every optimizer of the comparison harness (peers only when importable), times ``step()`` on
 each case of ``--sizes``:
 
-* ``1M``, ``4M``, ``16M``: one fp32 parameter of that many elements, a flat vector for the Adam
-  family and a square matrix (1024x1024, 4096x4096) for the Muon family and APOLLO / APOLLO-Mini,
-  which is the shape they are for. With a single matrix both ``GefenMuonHybrid`` variants train it
-  with ``GefenMuon`` alone (there is nothing for the backup), and APOLLO has only its low-rank
-  group.
+* ``1M``, ``4M``, ``16M`` (``64M``, ``256M`` for a GPU): one fp32 parameter of that many
+  elements, a flat vector for the Adam family and a square matrix (1024x1024, 4096x4096) for the
+  Muon family and APOLLO / APOLLO-Mini, which is the shape they are for. With a single matrix
+  both ``GefenMuonHybrid`` variants train it with ``GefenMuon`` alone (there is nothing for the
+  backup), and APOLLO has only its low-rank group.
 * ``NxS`` (``4x2048`` by default): one model holding N fp32 SxS matrices, the same for every
   optimizer (the Muon family trains all N with Muon).
 
@@ -20,6 +20,7 @@ targets (met / not met), and writes ``OUT/micro.json``. Usage::
 
     python benchmarks/micro.py --threads 1
     python benchmarks/micro.py --sizes 1M,4x2048 --optimizers adamw,gefen --repeats 3
+    python benchmarks/micro.py --device cuda --sizes 16M,64M,4x4096 --skip-codebook
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from torch import nn
 
 MUON_FAMILY = ("muon", "gefen_muon_gefen", "gefen_muon_adamw", "gefen_muon_gefen_q4")
 MATRIX_SHAPED = (*MUON_FAMILY, "apollo", "apollo_mini")  # single cases are square matrices
-SINGLE_SIZES = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
+SINGLE_SIZES = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24, "64M": 1 << 26, "256M": 1 << 28}
 STACK = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")  # NxS: N matrices of SxS
 DEFAULT_SIZES = "1M,16M,4x2048"
 SLOW_NUMEL = 1 << 24  # from here the Muon family gets at most 2 timed steps and 1 warm-up
@@ -97,10 +98,12 @@ class Holder(nn.Module):
         )
 
 
-def time_step(name: str, case: str, repeats: int, warmup: int) -> dict[str, Any]:
+def time_step(
+    name: str, case: str, repeats: int, warmup: int, device: torch.device
+) -> dict[str, Any]:
     """``warmup + repeats`` steps of ``name`` on ``case``; the worker subprocess's whole job."""
     shapes = case_shapes(case, name)
-    holder = Holder(shapes)
+    holder = Holder(shapes).to(device)
     params = list(holder.weights)
     numel = sum(p.numel() for p in params)
     head = {"optimizer": name, "case": case, "numel": numel}
@@ -113,14 +116,16 @@ def time_step(name: str, case: str, repeats: int, warmup: int) -> dict[str, Any]
             return {**head, "skipped": f"not usable: {error!r}"}
         raise
     generator = torch.Generator().manual_seed(1)
-    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(2)]
+    grads = [
+        [torch.randn(shape, generator=generator).to(device) for shape in shapes] for _ in range(2)
+    ]
     meter = StepMemory(params[0].device)
     seconds: list[float] = []
     for index in range(warmup + repeats):
         for param, grad in zip(params, grads[index % 2], strict=True):
             param.grad = grad
         try:  # memory is measured on the timed steps, as the time is
-            seconds.append(timed_step(optimizer, meter if index >= warmup else None))
+            seconds.append(timed_step(optimizer, meter if index >= warmup else None, device))
         except Exception as error:
             if index == 0 and name in PEER_MODULES:
                 return {**head, "skipped": f"not usable: {error!r}"}
@@ -128,6 +133,7 @@ def time_step(name: str, case: str, repeats: int, warmup: int) -> dict[str, Any]
     timed = seconds[warmup:]
     return {
         **head,
+        "device": str(device),
         "shape": list(shapes[0]),
         "tensors": len(shapes),
         "step_ms_first": 1000 * seconds[0],
@@ -185,6 +191,7 @@ def run_worker(name: str, case: str, args: argparse.Namespace, scratch: pathlib.
         str(pathlib.Path(__file__).resolve()),
         *("--worker", name, "--worker-case", case, "--worker-out", str(out)),
         *("--repeats", str(repeats), "--warmup", str(warmup), "--threads", str(args.threads)),
+        *("--device", args.device),
     ]
     completed = subprocess.run(command, check=False, env=worker_env())
     if completed.returncode != 0 or not out.exists():
@@ -219,6 +226,13 @@ def measure_all(
                     failed = True
                     continue
                 rows.append(row)
+                # as it comes, so a run cut short (a device lease's limit) still reports it
+                print(
+                    f"  {name} on {case}: {row['step_ms_median']:.3f} ms, "
+                    f"extra {row['step_extra_bytes_per_param']} B/param",
+                    file=sys.stderr,
+                    flush=True,
+                )
     adamw = {row["case"]: row["step_ms_median"] for row in rows if row["optimizer"] == "adamw"}
     for row in rows:
         base = adamw.get(row["case"])
@@ -326,12 +340,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default="bench-out", help="writes OUT/micro.json")
     parser.add_argument("--skip-codebook", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where the parameters live (cpu, cuda)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-case", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads must be positive, --warmup not negative")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     args.names = list(OPTIMIZERS) if args.optimizers == "all" else args.optimizers.split(",")
     unknown = [name for name in args.names if name not in OPTIMIZERS]
     if unknown:
@@ -349,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.worker:
-        result = time_step(args.worker, args.worker_case, args.repeats, args.warmup)
+        device = torch.device(args.device)
+        result = time_step(args.worker, args.worker_case, args.repeats, args.warmup, device)
         pathlib.Path(args.worker_out).write_text(json.dumps(result))
         return 0
     rows, skipped, failed = measure_all(args.names, args.cases, args)

@@ -9,7 +9,10 @@ packed in one tensor, so an LR schedule never recompiles.
 from __future__ import annotations
 
 import math
+import struct
+import threading
 import types
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ from gefen.core.updaters import (
 from gefen.dist.torch_internals import dynamo_unique_graphs
 
 __all__ = [
+    "DeviceScalars",
     "FusedMomentum",
     "FusedUpdater",
     "compiled_graph_count",
@@ -41,16 +45,56 @@ __all__ = [
 ]
 
 
+class DeviceScalars:
+    """The small read-only tensors the compiled kernels take (packed hyperparameters, stream
+    seeds, chunk offsets, momentum weights), made once per value and device and then reused.
+
+    Making one from host values on CUDA is a copy from pageable memory, which synchronizes the
+    stream: one per parameter and chunk would stall the host behind the GPU dozens of times a
+    step. The values recur (the offsets and seeds always, a group's hyperparameters for each of
+    its parameters within a step), and the kernels only read these tensors, so one tensor per
+    value serves every call, of every compiled updater in the process (``SCALARS``); the least
+    recently used are dropped past ``capacity``.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._tensors: OrderedDict[tuple[bytes, torch.dtype, torch.device], Tensor] = OrderedDict()
+
+    def get(
+        self, values: float | tuple[float, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """A 0-d (``values`` a number) or 1-d (a tuple) tensor of ``values`` on ``device``."""
+        numbers = values if isinstance(values, tuple) else (values,)
+        # the bytes, not the numbers: -0.0 == 0.0 as a key, but a kernel may tell them apart
+        layout = "d" if dtype.is_floating_point else "q"
+        key = (struct.pack(f"<{len(numbers)}{layout}", *numbers), dtype, device)
+        with self._lock:  # optimizers stepping in several threads share the cache
+            found = self._tensors.get(key)
+            if found is not None:
+                self._tensors.move_to_end(key)
+                return found
+            found = torch.tensor(values, dtype=dtype, device=device)
+            self._tensors[key] = found
+            if len(self._tensors) > self._capacity:
+                self._tensors.popitem(last=False)
+            return found
+
+
+SCALARS = DeviceScalars()
+
+
 def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> Tensor:
     """``hyper_values`` as the one fp64 tensor the compiled kernels take."""
-    return torch.tensor(hyper_values(scalars, t, tau), dtype=torch.float64, device=device)
+    return SCALARS.get(tuple(hyper_values(scalars, t, tau)), torch.float64, device)
 
 
 def stream_tensor(seed: tuple[int, int] | None, device: torch.device) -> Tensor:
     """``stream_value`` as the int64 (two's complement) 0-d tensor the fused encode hashes."""
     value = stream_value(seed)
     signed = value - (1 << 64) if value >= 1 << 63 else value
-    return torch.tensor(signed, dtype=torch.int64, device=device)
+    return SCALARS.get(signed, torch.int64, device)
 
 
 _COMPILED: dict[tuple[str, str, tuple[Any, ...]], Callable[..., Any]] = {}
@@ -128,7 +172,7 @@ class FusedUpdater:
         rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0)
         for first_row in range(0, blocks, rows):
             chunk = slice(first_row, min(blocks, first_row + rows))
-            first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
+            first = SCALARS.get(first_row * period, torch.int64, device)
             state = tuple(entry[key][chunk] for key in keys)
             rounding = (window, stochastic, stream, first, packed)
             inputs = (param_blocks[chunk], grad_blocks[chunk], state)
@@ -167,7 +211,7 @@ class FusedMomentum:
         device = codes.device
         table, window = self._tables.get(codebook)
         stream = stream_tensor(seed, device)
-        weight_tensor = torch.tensor(weight, dtype=torch.float32, device=device)
+        weight_tensor = SCALARS.get(weight, torch.float32, device)
         grad_blocks = grad.reshape(blocks, period)
         out = torch.empty(blocks, period, dtype=torch.float32, device=device)
         variant = (seed is not None, window, packed)
@@ -179,7 +223,7 @@ class FusedMomentum:
         staging = torch.empty(min(rows, blocks), period, dtype=torch.float32, device=device)
         for first_row in range(0, blocks, rows):
             chunk = slice(first_row, min(blocks, first_row + rows))
-            first = torch.tensor(first_row * period, dtype=torch.int64, device=device)
+            first = SCALARS.get(first_row * period, torch.int64, device)
             rounding = (window, seed is not None, stream, first, packed)
             state = (codes[chunk], scale[chunk])
             gradient = staging[: chunk.stop - chunk.start]

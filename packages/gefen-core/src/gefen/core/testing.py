@@ -12,15 +12,19 @@ and ``rejects`` (an action fails with a given error and changes nothing). For th
 scenarios: ``attempt`` (a must-fail operation, timed, described as plain data), ``local_shard``,
 ``same_or_none``, ``finalized_snapshot``/``snapshot_changes`` and ``oracle_codebook``.
 ``format1_state_dict`` rewrites a format 2 checkpoint in format 1 (what older releases wrote);
-``gathered_optimizer_state`` and ``nested_equal`` compare DCP state across world sizes. The
-module imports neither pytest nor ``torch.distributed`` at import time.
+``gathered_optimizer_state`` and ``nested_equal`` compare DCP state across world sizes. For the
+step's host traffic (what stalls a CUDA host): ``compiled_path_only`` (the code path CUDA runs,
+on the CPU) and ``host_traffic`` (counts host-to-device tensors and reads back). The module
+imports neither pytest nor ``torch.distributed`` at import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +51,7 @@ __all__ = [
     "MEMBER",
     "SNAPSHOT_ATTRIBUTES",
     "attempt",
+    "compiled_path_only",
     "dtensor_replicate_shard",
     "fill_grads",
     "finalized_snapshot",
@@ -54,6 +59,7 @@ __all__ = [
     "forbid_collectives",
     "format1_state_dict",
     "gathered_optimizer_state",
+    "host_traffic",
     "live_params",
     "local_shard",
     "nested_equal",
@@ -330,6 +336,48 @@ def forbid_collectives(monkeypatch: Any, caller: str, names: Sequence[str] = COL
                 raise AssertionError(f"{caller} called torch.distributed.{_name}")
 
             monkeypatch.setattr(dist, name, forbidden)
+
+
+def compiled_path_only(monkeypatch: Any) -> None:
+    """Leave only the compiled (inductor) implementation of the fused update and momentum, as on
+    CUDA: on the CPU the native kernel would otherwise come first."""
+    import gefen.core.fused as fused
+    import gefen.core.native as native
+
+    kept = [impl for impl in fused._REGISTRY if impl.name == "inductor"]
+    monkeypatch.setattr(fused, "_REGISTRY", kept)
+
+    def unavailable(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the native kernel is left out here (compiled_path_only)")
+
+    monkeypatch.setattr(native, "native_momentum", unavailable)
+
+
+@contextlib.contextmanager
+def host_traffic(monkeypatch: Any) -> Iterator[Counter[str]]:
+    """Count, while the block runs, the tensors made from host values (``"tensor"``:
+    ``torch.tensor``) and the values read back to the host (``"read"``: ``Tensor.item`` and
+    ``Tensor.tolist``). On CUDA each of these synchronizes the stream with the host."""
+    counts: Counter[str] = Counter()
+    make, item, tolist = torch.tensor, torch.Tensor.item, torch.Tensor.tolist
+
+    def counted_tensor(*args: Any, **kwargs: Any) -> Tensor:
+        counts["tensor"] += 1
+        return make(*args, **kwargs)
+
+    def counted_item(self: Tensor) -> Any:
+        counts["read"] += 1
+        return item(self)
+
+    def counted_tolist(self: Tensor) -> Any:
+        counts["read"] += 1
+        return tolist(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "tensor", counted_tensor)
+        patch.setattr(torch.Tensor, "item", counted_item)
+        patch.setattr(torch.Tensor, "tolist", counted_tolist)
+        yield counts
 
 
 def format1_state_dict(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
