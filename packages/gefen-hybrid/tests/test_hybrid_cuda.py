@@ -69,14 +69,16 @@ def _relative_errors(start: nn.Module, cpu: nn.Module, cuda: nn.Module) -> dict[
     return errors
 
 
-def _noise_floor(start: nn.Module, reference: nn.Module, steps: range) -> dict[str, float]:
+def _noise_floor(
+    start: nn.Module, reference: nn.Module, steps: range, options: dict[str, str]
+) -> dict[str, float]:
     """The CPU run's own update errors when its starting weights move by 1e-6 (relative)."""
     perturbed = copy.deepcopy(start)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in perturbed.parameters():
             p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=generator))
-    optimizer = GefenMuonHybrid(perturbed, lr=1e-2, weight_decay=0.1, fused=False)
+    optimizer = GefenMuonHybrid(perturbed, lr=1e-2, weight_decay=0.1, fused=False, **options)
     _train(perturbed, optimizer, steps)
     return _relative_errors(start, reference, perturbed)
 
@@ -87,15 +89,25 @@ def _assert_within_the_floor(errors: dict[str, float], floor: dict[str, float]) 
 
 
 @pytest.mark.fused_default
-def test_the_compiled_cuda_step_follows_the_cpu_reference() -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the defaults: codebook8 Muon momentum, Gefen backup
+        {"backup_optimizer": "adamw"},
+        {"momentum_codec": "codebook4", "backup_momentum_codec": "codebook4"},
+    ],
+    ids=["defaults", "adamw-backup", "codebook4"],
+)
+def test_the_compiled_cuda_step_follows_the_cpu_reference(options: dict[str, str]) -> None:
     start = _model()
     cpu, cuda = copy.deepcopy(start), copy.deepcopy(start).cuda()
-    cpu_optimizer = GefenMuonHybrid(cpu, lr=1e-2, weight_decay=0.1, fused=False)
-    cuda_optimizer = GefenMuonHybrid(cuda, lr=1e-2, weight_decay=0.1)  # fused=None: compiled
+    cpu_optimizer = GefenMuonHybrid(cpu, lr=1e-2, weight_decay=0.1, fused=False, **options)
+    # fused=None, the default: the compiled update on CUDA
+    cuda_optimizer = GefenMuonHybrid(cuda, lr=1e-2, weight_decay=0.1, **options)
     cpu_losses = _train(cpu, cpu_optimizer, range(6))
     cuda_losses = _train(cuda, cuda_optimizer, range(6))
     assert cuda_losses == pytest.approx(cpu_losses, rel=LOSS_RELATIVE)
-    floor = _noise_floor(start, cpu, range(6))
+    floor = _noise_floor(start, cpu, range(6), options)
     _assert_within_the_floor(_relative_errors(start, cpu, cuda), floor)
 
 
