@@ -1,9 +1,10 @@
 """The compiled (inductor) implementation of the fused update (docs/core.md §11).
 
 The functions of ``gefen.core.kernels.fused_update`` compiled with ``torch.compile(fullgraph=
-True, dynamic=True)`` and called over chunks of whole blocks (``CHUNK_ELEMENTS``), so the extra
-memory is one chunk's; the same source becomes C++ on the CPU and Triton on CUDA. Scalars arrive
-packed in one tensor, so an LR schedule never recompiles.
+True, dynamic=True)`` and called over chunks of whole blocks (``chunk_elements``: 2¹⁸ elements
+on the CPU, 2²⁴ on an accelerator), so the extra memory is one chunk's; the same source becomes
+C++ on the CPU and Triton on CUDA. Scalars arrive packed in one tensor, so an LR schedule never
+recompiles.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from torch import Tensor
 from gefen.core.kernels import fused_update as kernels
 from gefen.core.kernels.blocks import PACKED_CODEBOOK_SIZE, code_bytes, is_packed
 from gefen.core.updaters import (
-    CHUNK_ELEMENTS,
     CodebookTables,
     KernelKey,
     MomentumAdvancer,
     StepScalars,
     Updater,
+    chunk_elements,
     hyper_values,
     stream_value,
 )
@@ -127,10 +128,12 @@ def compiled_graph_count() -> int:
 
 
 class FusedUpdater:
-    """``torch.compile``d in-place updates over chunks of whole blocks (``CHUNK_ELEMENTS``)."""
+    """``torch.compile``d in-place updates over chunks of whole blocks of about ``chunk``
+    elements (``chunk_elements(device_type)`` by default)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, chunk: int | None = None) -> None:
         self._device_type = device_type
+        self._chunk = chunk_elements(device_type) if chunk is None else chunk
         self._tables = CodebookTables()
 
     def _codebooks(
@@ -169,7 +172,7 @@ class FusedUpdater:
             update = _compiled(kernels.factored_update_, self._device_type, variant)
         else:
             update = _compiled(kernels.block_update_, self._device_type, variant)
-        rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0)
+        rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0, self._chunk)
         for first_row in range(0, blocks, rows):
             chunk = slice(first_row, min(blocks, first_row + rows))
             first = SCALARS.get(first_row * period, torch.int64, device)
@@ -190,10 +193,12 @@ class FusedUpdater:
 
 
 class FusedMomentum:
-    """The compiled ``MomentumAdvancer``, over chunks of whole blocks."""
+    """The compiled ``MomentumAdvancer``, over chunks of whole blocks of about ``chunk``
+    elements (``chunk_elements(device_type)`` by default)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, chunk: int | None = None) -> None:
         self._device_type = device_type
+        self._chunk = chunk_elements(device_type) if chunk is None else chunk
         self._tables = CodebookTables()
 
     def __call__(
@@ -216,7 +221,7 @@ class FusedMomentum:
         out = torch.empty(blocks, period, dtype=torch.float32, device=device)
         variant = (seed is not None, window, packed)
         function = _compiled(kernels.advance_momentum_, self._device_type, variant)
-        rows = max(1, CHUNK_ELEMENTS // period)
+        rows = max(1, self._chunk // period)
         # Every chunk reaches the compiled function in one form (a slice of one fp32 staging
         # buffer, whatever the gradient's dtype, shape or strides): Dynamo guards on how an
         # input was made, so gradients passed as they come would multiply the graphs.
@@ -232,14 +237,14 @@ class FusedMomentum:
         return out
 
 
-def _chunk_blocks(period: int, columns: int) -> int:
-    """Blocks per fused call: about ``CHUNK_ELEMENTS`` elements; for a factored (R, C)
-    parameter a multiple of whole rows too when that stays small (lcm(P, C) elements), so
-    the chunk's second moment is a broadcast instead of a per-element gather."""
-    rows = max(1, CHUNK_ELEMENTS // period)
+def _chunk_blocks(period: int, columns: int, chunk: int) -> int:
+    """Blocks per fused call: about ``chunk`` elements; for a factored (R, C) parameter a
+    multiple of whole rows too when that stays small (lcm(P, C) elements), so the chunk's
+    second moment is a broadcast instead of a per-element gather."""
+    rows = max(1, chunk // period)
     if columns > 0:
         unit = math.lcm(period, columns) // period
-        if unit * period <= 4 * CHUNK_ELEMENTS:
+        if unit * period <= 4 * chunk:
             rows = max(unit, rows // unit * unit)
     return rows
 
