@@ -5,7 +5,9 @@ The compiled path calls its kernels over chunks of whole blocks: 2¹⁸ elements
 chunks, stochastic rounding draws by logical element index and a factored chunk's second
 moment comes from its own rows, so the chunk size must not change a single bit of the state or
 the parameters. Small chunks here stand in for the CPU's size against a larger parameter, and
-the default size for the accelerator's.
+the default size for the accelerator's. At the default size each factored matrix fits one chunk
+and takes one call for its moments and its update; in small chunks it takes the moments' call
+and one per chunk.
 """
 
 from __future__ import annotations

@@ -166,14 +166,21 @@ class FusedUpdater:
         floor = (scalars.factored_floor,) if factored else ()
         kernel_flags = (*flags, *floor, scalars.nesterov)
         variant = (param.dtype, grad.dtype, len(keys), stochastic, window, kernel_flags, packed)
-        if factored:
+        rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0, self._chunk)
+        if factored and blocks <= rows:  # one chunk: the moments and the update in one call
+            whole = _compiled(kernels.factored_whole_update_, self._device_type, variant)
+            rounding = (window, stochastic, stream, SCALARS.get(0, torch.int64, device), packed)
+            state = tuple(entry[key] for key in keys)
+            factors = (entry["v_row"], entry["v_col"])
+            whole(param_blocks, grad_blocks, state, factors, codebooks, hp, rounding, kernel_flags)
+        elif factored:
             moments = _compiled(kernels.factored_moments_, self._device_type, (grad.dtype,))
             normaliser = moments(grad.reshape(param.shape), entry["v_row"], entry["v_col"], hp)
             update = _compiled(kernels.factored_update_, self._device_type, variant)
         else:
             update = _compiled(kernels.block_update_, self._device_type, variant)
-        rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0, self._chunk)
-        for first_row in range(0, blocks, rows):
+        chunks = range(0, blocks, rows) if not factored or blocks > rows else range(0)
+        for first_row in chunks:
             chunk = slice(first_row, min(blocks, first_row + rows))
             first = SCALARS.get(first_row * period, torch.int64, device)
             state = tuple(entry[key][chunk] for key in keys)
@@ -183,8 +190,14 @@ class FusedUpdater:
                 elements = (chunk.stop - chunk.start) * period
                 columns = int(param.shape[-1])
                 v_row = _rows_covered(entry["v_row"], columns, first_row * period, elements)
-                factors = (v_row, entry["v_col"], normaliser)
-                update(*inputs, factors, codebooks, hp, rounding, kernel_flags)
+                update(
+                    *inputs,
+                    (v_row, entry["v_col"], normaliser),
+                    codebooks,
+                    hp,
+                    rounding,
+                    kernel_flags,
+                )
             else:
                 update(*inputs, entry["v_block"][chunk], codebooks, hp, rounding, kernel_flags)
         if work is not param and flags[1]:
@@ -282,8 +295,14 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
     scalars = StepScalars(
         1e-3, (0.9, 0.999), 1e-8, 0.0, codebook, None, factored_floor=True, nesterov=True
     )
+    # a factored parameter takes one call when it fits a chunk and two kernels per chunk when
+    # not: one-block chunks compile the second form too
+    forms: list[Updater] = [updater]
+    if family == "factored":
+        forms.append(FusedUpdater(device_type, chunk=8))
     with torch.no_grad():  # the commit runs without grad; grad mode is part of Dynamo's guards
-        updater(param, torch.ones_like(param), entry, scalars)
+        for form in forms:
+            form(param, torch.ones_like(param), entry, scalars)
 
 
 def inductor_updater(device_type: str, key: KernelKey) -> Updater:

@@ -44,6 +44,7 @@ __all__ = [
     "count_table",
     "factored_moments_",
     "factored_update_",
+    "factored_whole_update_",
     "scan_window",
 ]
 
@@ -267,3 +268,22 @@ def factored_update_(
         applied = torch.lerp(applied, gradient, hp32[HP_ONE_MINUS_BETA1])
     if write:
         _write(param, (applied * _step_size(second, hp32)) * hp32[HP_LR], hp, decay)
+
+
+def factored_whole_update_(
+    param: Tensor,
+    grad: Tensor,
+    state: tuple[Tensor, ...],
+    factors: tuple[Tensor, Tensor],
+    codebooks: tuple[Tensor, ...],
+    hp: Tensor,
+    rounding: Rounding,
+    flags: tuple[bool, bool, bool, bool],
+) -> None:
+    """``factored_moments_`` then ``factored_update_`` over every block of an (R, C)
+    parameter in one call, for a parameter that fits one chunk: each call costs the host more
+    than a GPU spends on a few million elements, so this halves a matrix's cost there.
+    ``factors`` is (v_row, v_col); arguments otherwise as ``factored_update_``."""
+    v_row, v_col = factors
+    normaliser = factored_moments_(grad.reshape(v_row.shape[0], -1), v_row, v_col, hp)
+    factored_update_(param, grad, state, (v_row, v_col, normaliser), codebooks, hp, rounding, flags)
