@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one script: the CUDA tests (the fused update's parity with
-# the eager reference, the hybrid on CUDA against the CPU), then micro.py and compare.py on the
-# GPU. It imports the packages from their src/ folders (PYTHONPATH), so it runs on a machine with
-# a CUDA build of torch and no package index. Each part has its own time limit, so one that hangs
-# does not take the others' time; OUT (default cuda-out/) receives log.txt and the JSON results.
+# the eager reference and across chunk sizes, the hybrid on CUDA against the CPU), then micro.py
+# and compare.py on the GPU. It imports the packages from their src/ folders (PYTHONPATH), so it
+# runs on a machine with a CUDA build of torch and no package index. Each part has its own time
+# limit, so one that hangs does not take the others' time; OUT (default cuda-out/) receives
+# log.txt and the JSON results.
 #
 #     OUT=cuda-out bash benchmarks/cuda_check.sh
 set -u
@@ -30,6 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$log" 2>
 cd "$root" || exit 1
 part "${TESTS_S:-240}" "CUDA tests" "$python" -m pytest -q -p no:cacheprovider -rA \
     packages/gefen-core/tests/test_core_fused_parity.py \
+    packages/gefen-core/tests/test_core_fused_chunks.py \
     packages/gefen-core/tests/test_core_amp_atomicity.py \
     packages/gefen-hybrid/tests/test_hybrid_cuda.py -k "cuda"
 cd "$root/benchmarks" || exit 1

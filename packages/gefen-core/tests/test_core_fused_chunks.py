@@ -26,9 +26,9 @@ from gefen.core.updaters import CHUNK_ELEMENTS, chunk_elements, eager_advance_mo
 SHAPES = [(40, 24), (50, 30), (1000,), (30, 50), (777,)]
 
 
-def _train(monkeypatch, chunk: int | None, codec: str, stochastic: bool):
+def _train(monkeypatch, chunk: int | None, codec: str, stochastic: bool, device: str):
     generator = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in SHAPES]
     groups = [{"params": params[:3]}, {"params": params[3:], "factored_v_2d": False}]
     with monkeypatch.context() as patch:
         if chunk is not None:
@@ -43,20 +43,31 @@ def _train(monkeypatch, chunk: int | None, codec: str, stochastic: bool):
         )
         for step in range(4):
             fill_grads(params, step)
+            for p in params:
+                p.grad = p.grad.to(device)
             optimizer.step()
     return params, optimizer
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("codec", "stochastic"), [("codebook8", True), ("codebook4", False), ("none", False)]
 )
 def test_the_compiled_update_is_the_same_bits_whatever_its_chunk(
-    monkeypatch, codec, stochastic
+    monkeypatch, codec, stochastic, device
 ) -> None:
     compiled_path_only(monkeypatch)
-    whole, reference = _train(monkeypatch, None, codec, stochastic)
+    whole, reference = _train(monkeypatch, None, codec, stochastic, device)
     for chunk in (64, 200):  # a block or two per call; and several blocks, rows cut mid-way
-        params, optimizer = _train(monkeypatch, chunk, codec, stochastic)
+        params, optimizer = _train(monkeypatch, chunk, codec, stochastic, device)
         for p, q in zip(whole, params, strict=True):
             assert torch.equal(p, q), (chunk, tuple(p.shape))
             ours, theirs = reference.state[p], optimizer.state[q]
