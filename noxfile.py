@@ -165,12 +165,14 @@ def tests_all(session: nox.Session, backend: str) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over every package's src/ (torch installed for its stubs) and tools/."""
+    """mypy --strict over every package's src/ (torch installed for its stubs), tools/ and the
+    benchmark harness (its peers, absent here, typed as Any)."""
     session.install(TORCH, "mypy>=1.10", "pytest>=8", "numpy")
     modules = [f"gefen.{path.name.removeprefix('gefen-')}" for path in PACKAGES.values()]
     args = [arg for module in modules for arg in ("-p", module)]
     session.run("python", "-m", "mypy", *args)
     session.run("python", "-m", "mypy", "tools")
+    session.run("python", "-m", "mypy", *sorted(str(p) for p in ROOT.glob("benchmarks/*.py")))
 
 
 @nox.session

@@ -379,7 +379,8 @@ def merge_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("eval_loss", "train_loss"):
         values = [run.get(key) for run in runs]
         merged[f"{key}_seeds"] = values
-        merged[key] = None if None in values else statistics.fmean(values)
+        present = [float(value) for value in values if value is not None]
+        merged[key] = statistics.fmean(present) if len(present) == len(values) else None
     merged["seeds"] = [run["seed"] for run in runs]
     return merged
 
@@ -471,13 +472,13 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
             "goal; value is the ratio Gefen/peer",
         )
     on_front = front(points(list(results.values())))
-    ours = [name for name in OURS if results.get(name, {}).get("eval_loss") is not None]
-    off = [name for name in ours if name not in on_front]
+    measured = [name for name in OURS if results.get(name, {}).get("eval_loss") is not None]
+    off = [name for name in measured if name not in on_front]
     add(
         "every optimizer of ours on the loss / state-bytes Pareto front",
         "all on it",
-        None if not ours else float(len(off)),
-        None if not ours else not off,
+        None if not measured else float(len(off)),
+        None if not measured else not off,
         f"value: how many are off it ({', '.join(off) or 'none'}); front: {', '.join(on_front)}",
     )
     add(

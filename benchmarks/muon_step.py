@@ -32,11 +32,11 @@ def measure(name: str, shapes: list[tuple[int, int]], steps: int) -> dict[str, o
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
     grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(3)]
-    optimizer: torch.optim.Optimizer
-    if name == "muon":
-        optimizer = torch.optim.Muon(params, lr=0.02)
-    else:
-        optimizer = GefenMuon(params, lr=0.02, momentum_codec=name.removeprefix("gefen-muon-"))
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.Muon(params, lr=0.02)
+        if name == "muon"
+        else GefenMuon(params, lr=0.02, momentum_codec=name.removeprefix("gefen-muon-"))
+    )
     seconds = []
     for step in range(steps + 1):
         for param, grad in zip(params, grads[step % 3], strict=True):

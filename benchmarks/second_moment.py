@@ -60,7 +60,7 @@ class Reference(torch.optim.Optimizer):
         rows, cols = state["v_row"], state["v_col"]
         rows.mul_(beta2).add_(square.mean(1), alpha=1 - beta2)
         cols.mul_(beta2).add_(square.mean(0), alpha=1 - beta2)
-        factored = torch.outer(rows, cols) / rows.mean().clamp_min(FLT_MIN)
+        factored: Tensor = torch.outer(rows, cols) / rows.mean().clamp_min(FLT_MIN)
         if self.variant == "freshmax":
             return torch.maximum(factored, square * (1 - beta2))
         return factored
