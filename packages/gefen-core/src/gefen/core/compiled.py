@@ -167,7 +167,8 @@ class FusedUpdater:
         kernel_flags = (*flags, *floor, scalars.nesterov)
         variant = (param.dtype, grad.dtype, len(keys), stochastic, window, kernel_flags, packed)
         rows = _chunk_blocks(period, int(param.shape[-1]) if factored else 0, self._chunk)
-        if factored and blocks <= rows:  # one chunk: the moments and the update in one call
+        one_call = factored and blocks <= rows  # the moments and the update in one call
+        if one_call:
             whole = _compiled(kernels.factored_whole_update_, self._device_type, variant)
             rounding = (window, stochastic, stream, SCALARS.get(0, torch.int64, device), packed)
             state = tuple(entry[key] for key in keys)
@@ -179,7 +180,7 @@ class FusedUpdater:
             update = _compiled(kernels.factored_update_, self._device_type, variant)
         else:
             update = _compiled(kernels.block_update_, self._device_type, variant)
-        chunks = range(0, blocks, rows) if not factored or blocks > rows else range(0)
+        chunks = range(0) if one_call else range(0, blocks, rows)
         for first_row in chunks:
             chunk = slice(first_row, min(blocks, first_row + rows))
             first = SCALARS.get(first_row * period, torch.int64, device)
