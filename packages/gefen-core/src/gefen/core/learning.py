@@ -28,6 +28,7 @@ __all__ = [
     "remap_table",
     "solve_new_codebook",
     "stage_periods",
+    "with_exact_zero",
 ]
 
 CodebookInput = tuple[int, Tensor, tuple[int, ...]]
@@ -107,9 +108,20 @@ def solve_new_codebook(counts: Tensor, device: torch.device, size: int = CODEBOO
     """
     if int(counts.sum()) == 0:
         no_active_bins = np.zeros(0, dtype=np.int64)
-        padded = pad_codebook(no_active_bins, size)
+        padded = pad_codebook(no_active_bins, size)  # holds 0: the first midpoint of [-1, 1]
         return torch.from_numpy(padded).to(dtype=torch.float32, device=device)
-    return solve_codebook(counts, size).to(device)
+    return with_exact_zero(solve_codebook(counts, size)).to(device)
+
+
+def with_exact_zero(codebook: Tensor) -> Tensor:
+    """``codebook`` with its value nearest to 0 set to exactly 0 (§5.8): a zero momentum then
+    encodes to a zero codeword, so an element whose gradient is zero never moves, even where its
+    factored second moment is zero too and the step size is 1/eps. Still strictly increasing:
+    the nearest value's neighbours lie on either side of 0 (the ends, -1 and +1, stay)."""
+    nearest = 1 + int(codebook[1:-1].abs().argmin())
+    zeroed = codebook.clone()
+    zeroed[nearest] = 0.0
+    return zeroed
 
 
 def remap_table(old_codebook: Tensor, new_codebook: Tensor) -> Tensor:

@@ -298,8 +298,9 @@ def snapshot_changes(
 def oracle_codebook(pieces: Sequence[Tensor]) -> list[float]:
     """The one-process codebook of ``pieces``: each piece's own automatic period (one block per
     row where its shape allows, docs/core.md §4.1, else §4's search), the summed histogram, the
-    solve (what a scope's collective learning must reproduce)."""
+    solve with its exact zero (§5.8; what a scope's collective learning must reproduce)."""
     from gefen.core.kernels import BIN_COUNT, histogram, row_period, select_period, solve_codebook
+    from gefen.core.learning import with_exact_zero
 
     counts = torch.zeros(BIN_COUNT, dtype=torch.int64)
     for piece in pieces:
@@ -307,7 +308,7 @@ def oracle_codebook(pieces: Sequence[Tensor]) -> list[float]:
         period = row_period(shape) or select_period(piece, shape, force_one=False)
         assert period is not None
         counts += histogram(piece, period)
-    codebook: list[float] = solve_codebook(counts).tolist()
+    codebook: list[float] = with_exact_zero(solve_codebook(counts)).tolist()
     return codebook
 
 
