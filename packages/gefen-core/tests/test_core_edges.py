@@ -115,3 +115,39 @@ def test_state_entries_are_checked_when_they_change_not_every_step(monkeypatch, 
         optimizer, optimizer.step, RuntimeError, "state does not match parameter", restore=restore
     )
     assert calls
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"fused": False},
+        {"momentum_codec": "none", "fused": False},
+        {"momentum_codec": "codebook4"},
+    ],
+    ids=["native", "eager", "none-eager", "codebook4"],
+)
+@pytest.mark.parametrize(
+    "huge",
+    [lambda g: g.fill_(2e19), lambda g: g[0].fill_(1.5e19)],
+    ids=["squares-overflow", "a-row-sum-overflows"],
+)
+def test_a_gradient_whose_squares_overflow_is_refused(rejects, options, huge) -> None:
+    """Finite, but its factored second moment would be infinite: the step used to turn the
+    parameter into NaN for good (v_row and v_col infinite). Refused like a non-finite one."""
+    p, v = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))
+    optimizer = Gefen([p, v], **options)
+    p.grad, v.grad = torch.randn(8, 16), torch.randn(16)
+    optimizer.step()
+    p.grad = torch.randn(8, 16)
+    huge(p.grad)
+    assert bool(torch.isfinite(p.grad).all())
+    rejects(optimizer, optimizer.step, NonFiniteGradientError, "overflow float32")
+
+
+def test_a_large_gradient_whose_squares_stay_finite_is_taken() -> None:
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    optimizer = Gefen([p])
+    p.grad = torch.full((8, 16), 1e18)  # 16 squares of 1e36 per row: finite
+    optimizer.step()
+    assert bool(torch.isfinite(p).all())

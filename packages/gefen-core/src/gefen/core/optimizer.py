@@ -266,14 +266,18 @@ class Gefen(OptimizerShell):
 
     def _select_kernels(self) -> None:
         reductions: dict[int, GradientReduction] = {}  # by id(param), see _commit_step
+        factored: set[int] = set()  # whose row and column sums of g² must stay finite
         for _, group, param in self.indexed_params():
             if param.grad is not None and local_tensor(param).numel() > 0:
                 kernel = self._kernel(group, param)
+                if self._family(group, param) != "factored":
+                    continue
+                factored.add(id(param))
                 # the native kernel's factored row/column sums double as the finiteness check
                 reduction = getattr(kernel, "gradient_sums", None)
-                if reduction is not None and self._family(group, param) == "factored":
+                if reduction is not None:
                     reductions[id(param)] = reduction
-        self._reductions = reductions
+        self._reductions, self._factored = reductions, factored
 
     # -- phase 4: read; phase 5: streamed commit (§7.1) --------------------------------------
 

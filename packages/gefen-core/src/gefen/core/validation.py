@@ -7,8 +7,9 @@ finiteness row. Both only read: no collective, no mutation.
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ def iter_parameters(
 
 # The step asks these questions several times per parameter: answer the plain types at once.
 _PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -150,9 +152,12 @@ it does not apply to this gradient."""
 def check_finite_gradients(
     param_groups: Iterable[Mapping[str, Any]],
     reductions: Mapping[int, GradientReduction] | None = None,
+    factored: Collection[int] = (),
 ) -> dict[int, Any]:
     """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient
-    (a group with ``check_finite=False`` is not read).
+    (a group with ``check_finite=False`` is not read), or, for the parameters in ``factored``
+    (by ``id``: their second moment sums g² over rows and columns), a finite gradient whose row
+    or column sum of squares overflows float32: the step would make them NaN for good.
 
     ``reductions`` (by ``id`` of the parameter) names gradients the step's commit reduces
     anyway: their reduction runs here instead, so the check costs no read of its own; the
@@ -168,6 +173,7 @@ def check_finite_gradients(
     # Plain loops: this runs every step, and a comprehension is a call per item.
     located: list[tuple[Mapping[str, Any], int, int]] = []
     grads: list[Tensor] = []
+    squared: list[int] = []  # positions in ``located`` whose squares must not overflow
     reduced: dict[int, Any] = {}
     for group_index, group in enumerate(param_groups):
         if group.get("check_finite", True) is False:
@@ -186,7 +192,9 @@ def check_finite_gradients(
             if outcome is not None:
                 reduced[id(param)] = outcome[0]
                 if outcome[1]:
-                    continue  # proven finite by the reduction itself
+                    continue  # proven finite by the reduction itself, its squares' sums too
+            if id(param) in factored:
+                squared.append(len(located))
             located.append((group, group_index, position))
             grads.append(grad)
     if not located:
@@ -197,31 +205,54 @@ def check_finite_gradients(
     first = None if native is None else native.first_nonfinite(grads)
     if first is not None:
         if first >= 0:
-            label = parameter_label(*located[first])
+            raise NonFiniteGradientError(_non_finite(parameter_label(*located[first])))
+        bounds = []
+        for i in squared:  # factored gradients no native reduction covered (a loop, not a call)
+            bounds.append(float(grads[i].abs().amax()))
+    else:
+        bounds = _checked_bounds(located, grads, squared)
+    for i, bound in zip(squared, bounds, strict=True):
+        if _squares_overflow(grads[i], bound):
             raise NonFiniteGradientError(
-                f"parameter {label} has a non-finite gradient (NaN or Inf)"
-            )
-        return reduced
-    labelled = [
-        (parameter_label(group, g, i), grad)
-        for (group, g, i), grad in zip(located, grads, strict=True)
-    ]
-    by_device: dict[torch.device, list[int]] = {}
-    for position, (_, grad) in enumerate(labelled):
-        by_device.setdefault(grad.device, []).append(position)
-    finite = [True] * len(labelled)
-    with torch.no_grad():
-        for positions in by_device.values():
-            extrema = [torch.stack(torch.aminmax(labelled[i][1])) for i in positions]
-            flags = torch.stack(extrema).isfinite().all(dim=1).tolist()
-            for position, flag in zip(positions, flags, strict=True):
-                finite[position] = bool(flag)
-    for (label, _), ok in zip(labelled, finite, strict=True):
-        if not ok:
-            raise NonFiniteGradientError(
-                f"parameter {label} has a non-finite gradient (NaN or Inf)"
+                f"parameter {parameter_label(*located[i])} has a finite gradient (|g| up to "
+                f"{bound:.3g}) whose squares overflow float32 in its factored second moment "
+                "(a row or column sum of g² is infinite); the step was not taken"
             )
     return reduced
+
+
+def _non_finite(label: str) -> str:
+    return f"parameter {label} has a non-finite gradient (NaN or Inf)"
+
+
+def _checked_bounds(
+    located: list[tuple[Mapping[str, Any], int, int]], grads: list[Tensor], squared: list[int]
+) -> list[float]:
+    """The finiteness check by extrema (one fused reduction per gradient, one host
+    synchronisation per device); returns max |g| of the gradients at ``squared``."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, grad in enumerate(grads):
+        by_device.setdefault(grad.device, []).append(position)
+    extrema: list[tuple[float, float]] = [(0.0, 0.0)] * len(grads)
+    with torch.no_grad():
+        for positions in by_device.values():
+            stacked = torch.stack([torch.stack(torch.aminmax(grads[i])) for i in positions])
+            for position, pair in zip(positions, stacked.double().tolist(), strict=True):
+                extrema[position] = (pair[0], pair[1])
+    for position, (low, high) in enumerate(extrema):
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise NonFiniteGradientError(_non_finite(parameter_label(*located[position])))
+    return [max(-extrema[i][0], extrema[i][1]) for i in squared]
+
+
+def _squares_overflow(grad: Tensor, bound: float) -> bool:
+    """Whether a row or column sum of g² in float32 is infinite; exact only when the bound
+    says it may be (``bound² · max(R, C)`` beyond float32's range), which no sane gradient
+    reaches."""
+    if bound * bound * max(grad.shape) < _FLOAT32_MAX:
+        return False
+    squares = grad.detach().to(torch.float32).square()
+    return not bool(squares.sum(dim=1).isfinite().all() and squares.sum(dim=0).isfinite().all())
 
 
 def amp_scaling_supported(

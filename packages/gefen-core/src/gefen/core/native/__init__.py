@@ -243,6 +243,12 @@ GradientSums = tuple[int, int, Tensor]
 the step preflight, after the storage address and version of the gradient they are of."""
 
 
+# The packed scalars of the last call, shared by every updater (one per kernel key): a group's
+# parameters share their StepScalars object and usually their step counts, so most calls of a
+# step reuse them, whatever their family.
+_LAST_PACKED: tuple[Any, int, int, int, int, _Scalars] | None = None
+
+
 class NativeUpdater:
     """The ``Updater`` of ``gefen.core.updaters`` backed by the native kernel (CPU, contiguous)."""
 
@@ -252,15 +258,17 @@ class NativeUpdater:
         self._sums = library.gefen_factored_sums
         self._tables = EncodeTables(library)
         self._portable = int(portable)
-        # The packed scalars of the last call: a group's parameters share their StepScalars
-        # object and usually their step counts, so most calls of a step reuse them.
-        self._packed: tuple[Any, int, int, int, _Scalars] | None = None
 
     def _scalars(self, scalars: Any, t: int, tau: int) -> _Scalars:
         threads = torch.get_num_threads()
-        last = self._packed
-        if last is not None and last[0] is scalars and last[1:4] == (t, tau, threads):
-            return last[4]
+        global _LAST_PACKED
+        last = _LAST_PACKED
+        if (
+            last is not None
+            and last[0] is scalars
+            and last[1:5] == (t, tau, threads, self._portable)
+        ):
+            return last[5]
         packed = _Scalars(
             *hyper_values(scalars, t, tau)[: reference.HP_SIZE],
             int(scalars.lr * scalars.weight_decay != 0),
@@ -272,7 +280,7 @@ class NativeUpdater:
             int(scalars.nesterov),
             stream_value(scalars.seed),
         )
-        self._packed = (scalars, t, tau, threads, packed)
+        _LAST_PACKED = (scalars, t, tau, threads, self._portable, packed)
         return packed
 
     def gradient_sums(self, grad: Tensor) -> tuple[Updater, bool] | None:
