@@ -212,6 +212,38 @@ def test_fused_writes_state_in_place_and_lr_changes_never_recompile(
             assert optimizer.state[p][key] is tensor  # the same storage, written in place
 
 
+def _strided(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in a non-contiguous layout (every other element of a buffer twice as long)."""
+    return torch.stack((values, torch.zeros_like(values)), dim=-1)[..., 0]
+
+
+@pytest.mark.parametrize("codec", ["codebook8", "none"])
+def test_strided_gradients_give_the_contiguous_result_without_new_graphs(
+    monkeypatch, codec
+) -> None:
+    """A strided gradient used to reach the compiled kernel as it came: each new layout was a
+    new guard, and a handful of them hit Dynamo's recompile limit in the middle of the commit
+    (parameters half updated, the optimizer latched)."""
+    _only(monkeypatch, "inductor", ("cpu", torch.float32, codec, "block"))
+    shapes = [(1,), (2, 3, 4), (7,), (33,), (16, 8)]
+    runs = []
+    for layout in (torch.Tensor.contiguous, _strided):
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+        optimizer = Gefen(params, lr=1e-2, momentum_codec=codec, fused=True)
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = layout(torch.randn(p.shape, generator=generator))
+            if step == 2:
+                graphs = compiled_graph_count()
+            optimizer.step()
+        assert compiled_graph_count() == graphs
+        runs.append(params)
+    for contiguous, strided in zip(*runs, strict=True):
+        assert torch.equal(contiguous, strided)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fused_resume_is_bit_exact(monkeypatch, implementation) -> None:
     _only(monkeypatch, implementation, ("cpu", torch.float32, "codebook8", "block"))

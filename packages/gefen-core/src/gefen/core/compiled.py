@@ -155,7 +155,10 @@ class FusedUpdater:
         flags = (scalars.lr * scalars.weight_decay != 0, scalars.lr != 0)
         blocks = param.numel() // period
         work = param if param.is_contiguous() else param.contiguous()
-        param_blocks, grad_blocks = work.view(blocks, period), grad.reshape(blocks, period)
+        # contiguous inputs only: a strided one is a new guard, and enough of them would hit
+        # Dynamo's recompile limit in the middle of a commit
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        param_blocks, grad_blocks = work.view(blocks, period), grad.view(blocks, period)
         codebooks, window = self._codebooks(entry, scalars)
         keys = ("momentum_codes", "momentum_scale") if codebooks else ("momentum",)
         stream = stream_tensor(scalars.seed, device)
