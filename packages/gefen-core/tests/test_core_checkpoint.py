@@ -573,3 +573,71 @@ def test_state_nbytes() -> None:
     expected_matrix = n + 4 * n // p_matrix + 4 * (256 + 384)
     expected_vector = 1000 + 8 * 1000 // p_vector
     assert optimizer.state_nbytes() == expected_matrix + expected_vector + 1024
+
+
+@pytest.mark.parametrize("codec", ["codebook8", "codebook4"])
+@pytest.mark.parametrize(
+    ("edited", "error", "fragment"),
+    [
+        ("none", RuntimeError, "a group's codec cannot change once its state exists"),
+        ("bogus", ValueError, "momentum_codec must be one of"),
+    ],
+)
+def test_state_dict_refuses_a_codec_edited_after_its_state_exists(
+    rejects, codec: str, edited: str, error: type, fragment: str
+) -> None:
+    """By the step's own rules and message; a codebook4 group's state_dict used to fail inside
+    the build with a bare reshape error, and its step named a shape instead of the codec."""
+    optimizer, _ = _trained(momentum_codec=codec)
+    group = optimizer.param_groups[1]  # the vector's group
+
+    def restore() -> None:
+        group["momentum_codec"] = codec
+
+    group["momentum_codec"] = edited
+    rejects(optimizer, optimizer.state_dict, error, fragment, restore=restore)
+    group["momentum_codec"] = edited
+    rejects(optimizer, optimizer.step, error, fragment, restore=restore)
+    optimizer.load_state_dict(optimizer.state_dict())
+
+
+def _nan_codebook(sd) -> None:
+    sd["gefen"]["codebook"][100] = float("nan")  # the group copies share this tensor
+    for group in sd["param_groups"]:
+        group["gefen"]["codebook"] = sd["gefen"]["codebook"]
+
+
+def _format_version(value):
+    def mutate(sd) -> None:
+        for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
+            extras["format_version"] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (_nan_codebook, "codebook values must all be finite"),
+        (_format_version(3), "format_version must be 1 or 2"),
+        (_format_version(None), "format_version must be 1 or 2"),
+    ],
+    ids=["nan-codebook", "format-3", "format-none"],
+)
+def test_a_load_names_the_rule_the_file_breaks(rejects, mutate, fragment: str) -> None:
+    """These used to be refused under another rule's name ("extras copies differ", "unknown
+    extras key 'codebook_present'")."""
+    optimizer, _ = _trained()
+    broken = copy.deepcopy(optimizer.state_dict())
+    mutate(broken)
+    rejects(optimizer, lambda: optimizer.load_state_dict(broken), ValueError, fragment)
+
+
+@pytest.mark.parametrize(("saved_codec", "steps"), [("codebook8", 0), ("none", 1)])
+def test_a_load_into_another_codec_names_the_codec(rejects, saved_codec: str, steps: int) -> None:
+    """Not the codebook slot's size, which depends on the codec the file was written with."""
+    saved, _ = _trained(steps=steps, momentum_codec=saved_codec)
+    optimizer, _ = _trained(momentum_codec="codebook4")
+    sd = saved.state_dict()
+    fragment = f"momentum_codec {saved_codec!r} differs from the live 'codebook4'"
+    rejects(optimizer, lambda: optimizer.load_state_dict(sd), ValueError, fragment)

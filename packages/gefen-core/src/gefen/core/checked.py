@@ -90,9 +90,10 @@ def match_changed_entries(
                 continue
             signature = entry_signature(group, param, entry)
             if previous.get(id(param)) != signature:
-                reason = entry_matches(entry, optimizer.entry_spec(group, param))
+                # the codec first: an edited codec also changes the shapes the spec expects
+                reason = _codec_mismatch(entry, group, optimizer.CODEC_KEYS)
                 if reason is None:
-                    reason = _codec_mismatch(entry, group, optimizer.CODEC_KEYS)
+                    reason = entry_matches(entry, optimizer.entry_spec(group, param))
                 if reason is not None:
                     label = parameter_label(group, group_index, position)
                     raise RuntimeError(

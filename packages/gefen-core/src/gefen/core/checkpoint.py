@@ -89,7 +89,12 @@ def _equal(a: Any, b: Any) -> bool:
             return False
         if a.layout != torch.strided or b.layout != torch.strided or a.is_meta or b.is_meta:
             return a is b  # nothing to read: the validator of the copy kept rejects it by name
-        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a, b = a.cpu(), b.cpu()  # equal NaNs are equal: the copies agree, the validator names NaN
+        return bool(torch.equal(a, b)) or (
+            a.is_floating_point() and bool(torch.isclose(a, b, 0, 0, equal_nan=True).all())
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -208,6 +213,7 @@ class _Loader:
         if not isinstance(extras, dict):
             raise self.reject("extras 'gefen' must be a dict")
         loaded: dict[str, Any] = extras
+        self.check_header(loaded)  # the version and codec first: they decide how the rest reads
         if self.optimizer.TEMPLATE_COMPLETE and loaded.get("format_version") == TEMPLATE_FORMAT:
             try:
                 count = sum(len(group["params"]) for group in groups)
@@ -232,11 +238,6 @@ class _Loader:
         for key in BASE_EXTRAS:
             if key not in extras:
                 raise self.reject(f"extras key {key!r} is missing")
-        version, formats = extras["format_version"], [FORMAT_VERSION]
-        if self.optimizer.TEMPLATE_COMPLETE:  # it writes format 2 and still reads format 1
-            formats.append(TEMPLATE_FORMAT)
-        if type(version) is not int or version not in formats:
-            raise self.reject(f"format_version must be {' or '.join(map(str, formats))}")
         step = extras["global_step"]
         if type(step) is not int or step < 0:
             raise self.reject(f"global_step must be an int >= 0, got {step!r}")
@@ -248,16 +249,23 @@ class _Loader:
             raise self.reject(
                 "deterministic differs from the live flag (changing it requires a fresh optimizer)"
             )
-        if extras["momentum_codec"] != live["momentum_codec"]:
-            raise self.reject(
-                f"momentum_codec {extras['momentum_codec']!r} differs from the live "
-                f"{live['momentum_codec']!r}"
-            )
         self.check_codebook(extras["codebook"])
         self.check_topology(extras)
         positions = extras["initialized_params"]
         if not isinstance(positions, list) or any(type(p) is not int for p in positions):
             raise self.reject("initialized_params must be a list of ints")
+
+    def check_header(self, extras: dict[str, Any]) -> None:
+        version, formats = extras.get("format_version"), [FORMAT_VERSION]
+        if self.optimizer.TEMPLATE_COMPLETE:  # it writes format 2 and still reads format 1
+            formats.append(TEMPLATE_FORMAT)
+        if type(version) is not int or version not in formats:
+            raise self.reject(f"format_version must be {' or '.join(map(str, formats))}")
+        live = self.optimizer.defaults["momentum_codec"]
+        if "momentum_codec" in extras and extras["momentum_codec"] != live:
+            raise self.reject(
+                f"momentum_codec {extras['momentum_codec']!r} differs from the live {live!r}"
+            )
 
     def check_codebook(self, codebook: object) -> None:
         if codebook is None:

@@ -108,10 +108,17 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def validate_group(self, group: Mapping[str, Any]) -> None:
         """Option checks of one group (§2.2); raise on the first failing rule."""
 
+    def _check_structure(self) -> None:
+        """§7.2's structural checks: the layout, each gradient, each entry against its group."""
+        self._check_finalized_layout()
+        validate_gradient_structure(
+            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
+        )
+        self._check_local_inputs()
+
     def _check_local_inputs(self) -> None:
-        """Further rank-local step checks; the default is §7.2's state match, for each entry
-        that or whose parameter changed since it last matched (the commit writes entries in
-        place, so a matched entry stays matched)."""
+        """Further rank-local step checks; the default: §7.2's state match of each entry that
+        (or whose parameter) changed since it last matched (the commit writes in place)."""
         previous = self.__dict__.get("_matched_entries", {})
         self._matched_entries = match_changed_entries(self, previous)
 
@@ -228,17 +235,13 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         self._validate_changed_groups()  # option values: every step (schedules change them)
         if not same_token(token, self.__dict__.get("_steady")):
             self._steady = None
-            self._check_finalized_layout()
-            validate_gradient_structure(
-                self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
-            )
-            self._check_local_inputs()
+            self._check_structure()
             self._select_kernels()
             self._steady = token  # what passed; the plan and learning caches key on it
         # Reads the commit needs that prove finiteness (by _select_kernels) run in the check.
-        reductions = self.__dict__.get("_reductions")
+        reductions, factored = self.__dict__.get("_reductions"), self.__dict__.get("_factored", ())
         self._gradient_sums = (
-            {} if amp_present else check_finite_gradients(self.param_groups, reductions)
+            {} if amp_present else check_finite_gradients(self.param_groups, reductions, factored)
         )
 
     def gradient_presence(self) -> list[bool]:
@@ -396,11 +399,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def initialize_preamble(self) -> list[int] | None:
         """The rank-local checks ``initialize_codebook`` votes on; the header payload."""
         self.check_latch()
-        self._check_finalized_layout()
-        validate_gradient_structure(
-            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
-        )
-        self._check_local_inputs()
+        self._check_structure()
         check_finite_gradients(self.param_groups)
         return self.step_header_payload()
 
@@ -411,13 +410,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def refresh_preamble(self) -> list[int] | None:
         """The rank-local checks ``refresh_codebook`` votes on; the header payload."""
         self.check_latch()
-        self._check_finalized_layout()
+        self._check_finalized_layout()  # before the codebook: a replaced parameter says so first
         if not self.uses_codebook or self._codebook is None:
             raise RuntimeError("refresh_codebook: no codebook has been learned")
-        validate_gradient_structure(
-            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
-        )
-        self._check_local_inputs()
+        self._check_structure()
         return self.step_header_payload()
 
     def refresh_codebook(self) -> bool:
@@ -447,10 +443,16 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._check_finalized_layout()
+        # edited options (a codec after its state exists) fail by the step's rules, not mid-build
+        self.guarded_operation().local("state dict preflight", self._check_state_to_save)
         return state_dict_with_hooks(  # type: ignore[no-any-return]
             self,
             lambda: build_state_dict(self, self._build_state_entries(self.guarded_operation())),
         )
+
+    def _check_state_to_save(self) -> None:
+        self._validate_changed_groups()
+        self._check_local_inputs()
 
     def prepare_load_state_dict(self, sd: Mapping[str, Any]) -> PreparedLoad:
         """Stage and validate a load on shadow objects; mutates nothing (§8.2)."""
