@@ -151,6 +151,27 @@ def test_zero_gradient_without_weight_decay_is_bit_identical(codec: str, normuon
         assert entry["normuon_step"] == 3
 
 
+@pytest.mark.parametrize("codec", ["codebook8", "codebook4", "none"])
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0)], ids=["no-rows", "no-columns"])
+def test_a_zero_element_matrix_stays_pristine(codec: str, shape: tuple[int, int]) -> None:
+    """As in Gefen (docs/core.md §4) and torch's own optimizers: an empty matrix is skipped. It
+    used to fail the commit with a ZeroDivisionError after the codebook was published, which
+    latched the optimizer."""
+    empty, w = torch.nn.Parameter(torch.zeros(shape)), _p(4, 6)
+    twin = copy.deepcopy(w)
+    optimizer = GefenMuon([empty, w], momentum_codec=codec)
+    alone = GefenMuon([twin], momentum_codec=codec)
+    for step in range(2):
+        empty.grad = torch.zeros(shape)
+        w.grad, twin.grad = _grad(w, step), _grad(twin, step)
+        optimizer.step()
+        alone.step()
+    assert torch.equal(w, twin)
+    assert optimizer.state[empty].get("step", 0) == 0
+    assert not optimizer.latched
+    optimizer.load_state_dict(optimizer.state_dict())
+
+
 def test_zero_gradient_everywhere_with_normuon_stays_finite() -> None:
     p = _p(6, 10)
     optimizer = GefenMuon([p], weight_decay=0.0, momentum_codec="none", normuon=True)

@@ -207,7 +207,10 @@ class GefenMuon(OptimizerShell):
     def template_period(self, group: Mapping[str, Any], param: Tensor) -> int | None:
         """1 for codec "none" (the matrix as is); else one block per row of the momentum
         matrix where rows hold at least 8 elements (docs/core.md §4.1), else None (searched).
-        A rank without rows of an approx matrix names the same row width as the others."""
+        A rank without rows of an approx matrix names the same row width as the others. An
+        empty matrix: None (the search leaves it pristine)."""
+        if param.numel() == 0:
+            return None
         if not group_uses_codebook(group):
             return 1
         rows, cols = quantized_shape(group, param)
@@ -286,7 +289,9 @@ class GefenMuon(OptimizerShell):
                 seed=(self._global_step, index) if _stochastic(group) else None,
             )
 
-        indexed = self.indexed_params()
+        # an empty matrix has nothing to update and stays pristine, as in Gefen (numel is global
+        # for a DTensor, so every rank skips the same ones)
+        indexed = [item for item in self.indexed_params() if item[2].numel() > 0]
         slots = distributed_slots(indexed)
         distributed = {slot.index for per_group in slots for slot in per_group}
         plan: list[PlannedMatrix | OwnerBucket] = []
