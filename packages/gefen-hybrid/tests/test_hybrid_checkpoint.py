@@ -914,6 +914,24 @@ def test_an_adamw_group_with_a_bad_option_is_rejected(
     assert fragment in str(error)
 
 
+@pytest.mark.parametrize(
+    ("names", "fragment"),
+    [
+        (lambda names: names[:-1], "param_names must be a list of the group's length"),
+        (lambda names: [7] * len(names), "param_names must hold str"),
+    ],
+    ids=["short", "not-str"],
+)
+def test_adamw_param_names_follow_the_gefen_backups_rules(names, fragment: str) -> None:
+    """Such a checkpoint used to be installed as it was (names no longer one per parameter)."""
+    _, hybrid, saved = _saved_then_stepped("adamw")
+    broken = _nested(hybrid, saved)
+    group = next(g for g in broken["backup"]["param_groups"] if "param_names" in g)
+    group["param_names"] = names(group["param_names"])
+    error = _rejects_load(hybrid, join(broken), PREFIX + "AdamW backup: ", exact=False)
+    assert fragment in str(error)
+
+
 def test_re_keyed_adamw_ids_are_rejected() -> None:
     # torch's state_dict numbers parameters 0..n-1 in group order; a permuted numbering maps
     # moments onto other parameters (of the same shape: no shape check could notice).

@@ -119,6 +119,48 @@ def test_a_group_without_the_flag_is_routed_per_parameter() -> None:
     _steps(named, model, 1)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["constructor", "add_param_group"])
+def test_torchs_named_form_splits_its_names_with_its_parameters(backend: str, how: str) -> None:
+    """A group in torch's named form (``param_names`` beside the tensors) is routed by name, and
+    each part keeps only its own names, so the hybrid's ``state_dict`` loads back (each half
+    used to carry the whole list, which its own load then refused)."""
+    model = _model()
+    names, params = zip(*model.named_parameters(), strict=True)
+    group = {"params": list(params), "param_names": list(names)}
+    if how == "constructor":
+        hybrid = GefenMuonHybrid([group], backup_optimizer=backend, **FAST)
+    else:
+        spare = nn.Parameter(torch.randn(3, 3))
+        hybrid = GefenMuonHybrid(
+            [{"params": [("spare", spare)], "use_muon": True}], backup_optimizer=backend, **FAST
+        )
+        hybrid.add_param_group(group)
+    by_flag = {g["use_muon"]: g for g in hybrid.param_groups if "param_names" in g}
+    assert by_flag[True]["param_names"] == ["hidden.weight"]
+    assert "embed.weight" in by_flag[False]["param_names"]  # by name, though it is 2-D
+    for part in by_flag.values():
+        assert len(part["param_names"]) == len(part["params"])
+    _steps(hybrid, model, 1)
+    twin = copy.deepcopy((hybrid, model))
+    hybrid.load_state_dict(hybrid.state_dict())
+    _steps(hybrid, model, 1)
+    _steps(twin[0], twin[1], 1)
+    for mine, theirs in zip(model.parameters(), twin[1].parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_param_names_of_another_length_are_refused_before_anything_changes() -> None:
+    model = _model()
+    hybrid = GefenMuonHybrid(model, **FAST)
+    _steps(hybrid, model, 1)
+    extra = nn.Linear(8, 8)
+    group = {"params": [extra.weight, extra.bias], "param_names": ["extra.weight"]}
+    text = "param group 2: 'param_names' must be a list with one name per parameter (2)"
+    _rejected(hybrid, lambda: hybrid.add_param_group(group), ValueError, text)
+    _steps(hybrid, model, 1)
+
+
 def test_a_flagless_group_gives_each_part_only_the_keys_its_child_reads() -> None:
     """A backup group's ``momentum`` is its beta1 (a momentum-cycling scheduler's key), so a
     flagless group's Muon ``momentum`` stays with the Muon part and its ``betas`` with the

@@ -795,6 +795,48 @@ def test_muon_failure_before_the_backup_leaves_the_backup_untouched(
     _trains(hybrid)
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failure_in_the_first_childs_planning_changes_nothing_and_does_not_latch(
+    backend: str, error: type[BaseException], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Phase 4 writes nothing: the hybrid used to latch anyway ("previous step failed during
+    commit"), though a standalone Gefen or GefenMuon stays trainable at the same point."""
+    model = _model()
+    hybrid = _hybrid(model, backend)
+    _stepped(hybrid)
+    assert hybrid.muon is not None
+
+    def failing(*args: Any) -> None:
+        raise error("injected planning failure")
+
+    monkeypatch.setattr(hybrid.muon, "_prepare_step", failing)
+    _set_grads(hybrid, 21)
+    _rejects(hybrid, hybrid.step, error, "injected planning failure", check_training=False)
+    assert not hybrid._commit_failed
+    monkeypatch.delattr(hybrid.muon, "_prepare_step")
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", ["gefen"])
+def test_a_planning_failure_after_muon_committed_latches(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Muon child is written by then: half a step, which only a load undoes."""
+    model = _model()
+    hybrid = _hybrid(model, backend)
+    _stepped(hybrid)
+
+    def failing(*args: Any) -> None:
+        raise RuntimeError("injected backup planning failure")
+
+    monkeypatch.setattr(hybrid.backup, "_prepare_step", failing)
+    _set_grads(hybrid, 22)
+    with pytest.raises(RuntimeError, match="injected backup planning failure"):
+        hybrid.step()
+    assert hybrid._commit_failed
+
+
 # --------------------------------------------------------------------------------------------
 # Partial hybrids, training, and no collectives
 

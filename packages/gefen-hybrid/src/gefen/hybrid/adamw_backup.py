@@ -127,6 +127,11 @@ def _validate(backup: torch.optim.Optimizer, sd: object) -> None:
         ids = saved.get("params") if isinstance(saved, Mapping) else None
         if not isinstance(ids, list) or len(ids) != len(group["params"]):
             raise _reject(f"group {index} must list {len(group['params'])} parameters")
+        names = saved.get("param_names", ids)  # as the Gefen backup's load rules them
+        if not isinstance(names, list) or len(names) != len(ids):
+            raise _reject(f"group {index}: param_names must be a list of the group's length")
+        if "param_names" in saved and any(type(name) is not str for name in names):
+            raise _reject(f"group {index}: param_names must hold str")
     _check_identifiers(backup, state, [ident for saved in groups for ident in saved["params"]])
     for index, (saved, group) in enumerate(zip(groups, live, strict=True)):
         ids = saved["params"]

@@ -4,9 +4,10 @@
 ``GefenMuonHybrid([{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False,
 "lr": 3e-4}], lr=0.02)`` is the form users of ``MuonWithAuxAdam`` already write. A group with
 the flag goes to that child whole; a group without it is split parameter by parameter by the
-routing rules (a ``(name, parameter)`` pair by ``is_muon_param``, a bare tensor by being 2-D).
-Each part keeps the group's own options, under the child's option names, and records its
-``use_muon`` flag; ``add_param_group`` splits a group the same way.
+routing rules (a ``(name, parameter)`` pair, or a tensor named by torch's ``param_names``, by
+``is_muon_param``; a bare tensor by being 2-D). Each part keeps the group's own options, under
+the child's option names, and the names of its own parameters, and records its ``use_muon``
+flag; ``add_param_group`` splits a group the same way.
 """
 
 from __future__ import annotations
@@ -71,22 +72,44 @@ def split_groups(
                 f"parameter by the routing rules), got {type(flag).__name__}"
             )
         items = _items(index, group)
-        options = {key: value for key, value in group.items() if key != "params"}
+        names = _names(index, group, len(items))
+        options = {k: v for k, v in group.items() if k != "params" and k != "param_names"}
+        routed = [flag] * len(items)
         if flag is None:
-            routed = [_to_muon(item, substrings) for item in items]
-            parts = (
-                [item for item, to_muon in zip(items, routed, strict=True) if to_muon],
-                [item for item, to_muon in zip(items, routed, strict=True) if not to_muon],
+            # torch's named form (``param_names`` beside the tensors) routes by name, as pairs do
+            named = (
+                items
+                if names is None
+                else [_named(n, p) for n, p in zip(names, items, strict=True)]
             )
-        else:
-            parts = (items, []) if flag else ([], items)
-        for target, part, use_muon in ((muon, parts[0], True), (backup, parts[1], False)):
+            routed = [_to_muon(item, substrings) for item in named]
+        for target, use_muon in ((muon, True), (backup, False)):
+            part = [at for at, to_muon in enumerate(routed) if to_muon is use_muon]
             if not part:
                 continue
             foreign = _BACKUP_ONLY if use_muon else _MUON_ONLY
             kept = {k: v for k, v in options.items() if flag is not None or k not in foreign}
-            target.append({**kept, "params": part, "use_muon": use_muon})
+            if names is not None:  # each part keeps the names of its own parameters
+                kept["param_names"] = [names[at] for at in part]
+            target.append({**kept, "params": [items[at] for at in part], "use_muon": use_muon})
     return muon, backup
+
+
+def _named(name: object, item: Any) -> Any:
+    return (name, item) if isinstance(name, str) else item
+
+
+def _names(index: int, group: dict[str, Any], count: int) -> list[Any] | None:
+    """The group's ``param_names`` (torch's named form), one per parameter, or None."""
+    if "param_names" not in group:
+        return None
+    names = group["param_names"]
+    if not isinstance(names, (list, tuple)) or len(names) != count:
+        raise ValueError(
+            f"param group {index}: 'param_names' must be a list with one name per parameter "
+            f"({count}), got {names!r}"
+        )
+    return list(names)
 
 
 def group_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:

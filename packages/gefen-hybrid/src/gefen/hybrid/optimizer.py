@@ -386,14 +386,19 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             participant.check_step_agreement()
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
-        """Phases 4–5 child by child (Muon first); a failure latches the hybrid."""
+        """Phases 4–5 child by child (Muon first). A failure once a commit began latches the
+        hybrid; one in the first child's read-only phase 4 leaves it as it was."""
         op = operation if operation is not None else self.guarded_operation()
+        done = 0
         try:
             with torch.no_grad():
                 for _, participant in self._participants:
                     participant.apply_prepared_step(operation=op)
+                    done += 1
         except BaseException:
-            self._commit_failed = True
+            # a Gefen child says whether its own commit failed; AdamW's step is all commit
+            if done > 0 or getattr(self._participants[done][1], "latched", True):
+                self._commit_failed = True
             raise
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # step(closure=None)
