@@ -165,7 +165,8 @@ def check_finite_gradients(
     whose reduction does not prove it finite is read by the check below.
 
     Contiguous CPU gradients, once the native kernel library is loaded, are read in one native
-    pass (``gefen.core.native.first_nonfinite``). Otherwise: one fused reduction per gradient
+    pass (``gefen.core.native.first_nonfinite``) unless a factored one needs its bound (no
+    reduction covered it). Otherwise: one fused reduction per gradient
     (its minimum and maximum: NaN propagates through both and ±Inf is an extremum, so no
     per-element temporary is allocated) and one host synchronisation per device for the step.
     """
@@ -202,15 +203,14 @@ def check_finite_gradients(
     # CPU: one native pass, no reduction launches; only once a kernel selection loaded the
     # library (an eager-only run never builds it).
     native = sys.modules.get("gefen.core.native")
-    first = None if native is None else native.first_nonfinite(grads)
+    # A factored gradient no native reduction covered needs its bound as well: the extrema give
+    # both in the one read, so then every gradient takes that path.
+    first = None if native is None or squared else native.first_nonfinite(grads)
     if first is not None:
         if first >= 0:
             raise NonFiniteGradientError(_non_finite(parameter_label(*located[first])))
-        bounds = []
-        for i in squared:  # factored gradients no native reduction covered (a loop, not a call)
-            bounds.append(float(grads[i].abs().amax()))
-    else:
-        bounds = _checked_bounds(located, grads, squared)
+        return reduced
+    bounds = _checked_bounds(located, grads, squared)
     for i, bound in zip(squared, bounds, strict=True):
         if _squares_overflow(grads[i], bound):
             raise NonFiniteGradientError(
