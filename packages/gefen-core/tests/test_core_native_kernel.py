@@ -68,11 +68,14 @@ def _entry(shape: tuple[int, ...], period: int, factored: bool, size: int) -> di
     return entry
 
 
-def _simd_or_skip() -> None:
-    from gefen.core.native import simd_available
+def _simd_or_skip(passes: str = "best") -> None:
+    from gefen.core.native import simd_passes
 
-    if not simd_available():
+    available = simd_passes()
+    if not available:
         pytest.skip("this build of the native kernel has no SIMD passes to compare")
+    if passes != "best" and passes not in available:
+        pytest.skip(f"this build of the native kernel has no {passes} passes")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -90,13 +93,14 @@ def _simd_or_skip() -> None:
 )
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("codebook_name", ["learned", "clustered", "sixteen"])
+@pytest.mark.parametrize("passes", ["best", "avx2"])  # an AVX-512 build holds both
 def test_the_simd_passes_match_the_portable_loops_bit_for_bit(
-    dtype, shape, period, factored, stochastic, codebook_name
+    dtype, shape, period, factored, stochastic, codebook_name, passes
 ) -> None:
     from gefen.core.native import NativeUpdater
 
-    _simd_or_skip()
-    simd, portable = NativeUpdater(), NativeUpdater(portable=True)
+    _simd_or_skip(passes)
+    simd, portable = NativeUpdater(passes=passes), NativeUpdater(portable=True)
     generator = torch.Generator().manual_seed(7)
     param = (torch.randn(shape, generator=generator) * 3).to(dtype)
     twin = param.clone()
@@ -118,14 +122,14 @@ def test_the_simd_passes_match_the_portable_loops_bit_for_bit(
 
 
 @pytest.mark.parametrize("codebook_name", sorted(CODEBOOKS))
-@pytest.mark.parametrize("portable", [False, True])
-def test_the_thresholds_round_exactly_like_nearest_index(codebook_name, portable) -> None:
+@pytest.mark.parametrize("passes", ["best", "avx2", "portable"])
+def test_the_thresholds_round_exactly_like_nearest_index(codebook_name, passes) -> None:
     # weight 1 makes the advanced momentum the gradient itself; a 1.0 in every block makes the
     # block scale 1, so the kernel encodes exactly these values.
     from gefen.core.native import NativeMomentum
 
-    if not portable:
-        _simd_or_skip()
+    if passes != "portable":
+        _simd_or_skip(passes)
     codebook = CODEBOOKS[codebook_name]()
     below, above = codebook[:-1], codebook[1:]
     halfway = (below + above) / 2
@@ -149,7 +153,7 @@ def test_the_thresholds_round_exactly_like_nearest_index(codebook_name, portable
     packed = codebook.numel() == 16
     codes = torch.zeros(blocks, (period + 1) // 2 if packed else period, dtype=torch.uint8)
     scale = torch.zeros(blocks, 1)
-    NativeMomentum(portable=portable)(values, codes, scale, codebook, 1.0, None)
+    NativeMomentum(passes=passes)(values, codes, scale, codebook, 1.0, None)
     assert torch.equal(scale, torch.ones(blocks, 1))
     if packed:
         from gefen.core.kernels.blocks import unpack_codes
@@ -206,3 +210,11 @@ def test_a_non_finite_gradient_is_rejected_by_name_through_the_native_check() ->
     params[1].grad = torch.randn_like(params[1])
     optimizer.step()  # still trains
     assert not torch.equal(before[1], params[1])
+
+
+def test_an_unknown_choice_of_passes_is_refused_by_name() -> None:
+    from gefen.core.native import NativeMomentum, NativeUpdater
+
+    for kind in (NativeUpdater, NativeMomentum):
+        with pytest.raises(ValueError, match="passes must be one of"):
+            kind(passes="avx1024")

@@ -3,7 +3,8 @@
 Inductor's CPU code performs every indirect load lane by lane and decodes each block twice, so
 the compiled Python source cannot reach fused AdamW's speed on a CPU. This small C kernel does
 one block at a time in an L1-resident buffer; on AVX-512 CPUs with VBMI its table lookups are
-byte permutations in registers instead of gathers (``gefen_avx512.h``). It is compiled with
+byte permutations in registers instead of gathers (``gefen_avx512.h``), on AVX2 CPUs its passes
+run eight lanes at a time with gathers (``gefen_avx2.h``). It is compiled with
 the C compiler inductor needs anyway (``cc``/``gcc``, ``-O3 -march=native``, OpenMP when
 available) into a per-user cache and called through ``ctypes`` with raw pointers, so it needs
 no Python or torch headers and builds in about a second. It covers codebook8 and codebook4 on fp32
@@ -50,6 +51,7 @@ __all__ = [
     "native_momentum",
     "native_updater",
     "simd_available",
+    "simd_passes",
 ]
 
 logger = logging.getLogger("gefen.core")
@@ -57,7 +59,13 @@ logger = logging.getLogger("gefen.core")
 _SOURCE = pathlib.Path(__file__).with_name("gefen_update.c")
 _HEADERS = tuple(
     pathlib.Path(__file__).with_name(name)
-    for name in ("gefen_avx512.h", "gefen_tables.h", "gefen_finite.h", "gefen_momentum.h")
+    for name in (
+        "gefen_avx512.h",
+        "gefen_avx2.h",
+        "gefen_tables.h",
+        "gefen_finite.h",
+        "gefen_momentum.h",
+    )
 )
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _LOCK = threading.Lock()
@@ -173,9 +181,28 @@ def build_library() -> ctypes.CDLL:
         return library
 
 
+def simd_passes() -> tuple[str, ...]:
+    """The SIMD passes the built kernel has, fastest first: ``"avx512"``, ``"avx2"`` (the
+    ``passes`` an updater may force; the portable loops are always there)."""
+    bits = int(build_library().gefen_simd_available())
+    return tuple(name for bit, name in ((1, "avx512"), (2, "avx2")) if bits & bit)
+
+
 def simd_available() -> bool:
-    """Whether the built kernel has its AVX-512 passes (else only the portable loops)."""
-    return bool(build_library().gefen_simd_available())
+    """Whether the built kernel has SIMD passes (else only the portable loops)."""
+    return bool(simd_passes())
+
+
+_PASSES = {"best": 0, "portable": 1, "avx2": 2}
+"""``gefen_scalars.portable``: the fastest passes, the portable loops only, or the AVX2 passes
+(the AVX-512 ones skipped: how an AVX-512 machine tests the AVX2 ones)."""
+
+
+def _passes_flag(portable: bool, passes: str) -> int:
+    """``gefen_scalars.portable`` for an updater's ``portable`` / ``passes`` arguments."""
+    if passes not in _PASSES:
+        raise ValueError(f"passes must be one of {sorted(_PASSES)}, got {passes!r}")
+    return _PASSES["portable" if portable else passes]
 
 
 _FINITE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -252,12 +279,12 @@ _LAST_PACKED: tuple[Any, int, int, int, int, _Scalars] | None = None
 class NativeUpdater:
     """The ``Updater`` of ``gefen.core.updaters`` backed by the native kernel (CPU, contiguous)."""
 
-    def __init__(self, *, portable: bool = False) -> None:
+    def __init__(self, *, portable: bool = False, passes: str = "best") -> None:
         library = build_library()
         self._function = library.gefen_update_codebook8
         self._sums = library.gefen_factored_sums
         self._tables = EncodeTables(library)
-        self._portable = int(portable)
+        self._portable = _passes_flag(portable, passes)
 
     def _scalars(self, scalars: Any, t: int, tau: int) -> _Scalars:
         threads = torch.get_num_threads()
@@ -394,11 +421,11 @@ class NativeMomentum:
     codebook4's packed codes) on the native kernel: fp32 and bf16 gradients; other dtypes take
     the eager reference."""
 
-    def __init__(self, *, portable: bool = False) -> None:
+    def __init__(self, *, portable: bool = False, passes: str = "best") -> None:
         library = build_library()
         self._function = library.gefen_momentum_codebook8
         self._tables = EncodeTables(library)
-        self._portable = int(portable)
+        self._portable = _passes_flag(portable, passes)
 
     def __call__(
         self,

@@ -34,7 +34,7 @@ int gefen_momentum_codebook8(const void *grad, int32_t dtype, uint8_t *codes, fl
                                     s->one_minus_beta1, w.advanced, tables, s->portable,
                                     w.bytes);
 #if GEFEN_AVX512
-                    if (!s->stochastic && !s->portable &&
+                    if (!s->stochastic && s->portable == 0 &&
                         tables->coarse_window <= SIMD_MAX_WINDOW) {
                         momentum_nearest_simd(w.advanced, maximum, len, tables,
                                               packed ? w.bytes : sub_codes, out + first + o);

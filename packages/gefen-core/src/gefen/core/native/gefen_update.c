@@ -10,7 +10,8 @@
  * Nearest rounding counts thresholds instead of comparing neighbours: T_j (gefen_tables.h) is
  * the largest fp32 value §6.3's rule sends to codeword j or below, so the index of x is
  * #{T_j < x}, exactly the eager result. On AVX-512 (with VBMI) the block passes of
- * gefen_avx512.h run instead of the portable loops here; both give the same bits (tested).
+ * gefen_avx512.h run instead of the portable loops here, and on AVX2 those of gefen_avx2.h
+ * (also where the AVX-512 passes decline a block); all give the same bits (tested).
  *
  * codebook4 (a codebook of at most 16 values, ``gefen_tables.size``) keeps two 4-bit codes per
  * byte, element 2j in the low nibble of byte j: a block of P elements takes ceil(P/2) bytes and
@@ -51,7 +52,9 @@ typedef struct {
 
 typedef struct {
     float lr, one_minus_beta1, beta2, one_minus_beta2, sqrt_bc2, eps, inv_bc1, decay;
-    int32_t has_decay, write, stochastic, threads, portable; /* portable: skip the SIMD passes */
+    /* portable: 0 the fastest passes the build has, 1 the portable loops only, 2 the AVX2
+     * passes where they apply (the AVX-512 ones skipped; as 1 in a build without AVX2) */
+    int32_t has_decay, write, stochastic, threads, portable;
     int32_t factored_floor; /* floor the factored estimate by (1 - beta2) g^2 (§6.2) */
     int32_t nesterov;       /* apply lerp(m, g, 1 - beta1) instead of the stored m */
     uint64_t stream;
@@ -219,6 +222,13 @@ static float advance(const void *grad, int dtype, int64_t first, int64_t period,
 #define GEFEN_AVX512 0
 #endif
 
+#if defined(__AVX2__)
+#define GEFEN_AVX2 1
+#include "gefen_avx2.h"
+#else
+#define GEFEN_AVX2 0
+#endif
+
 /* advance() on the fastest path the build has (the SIMD one unless ``portable``; ``bytes``
  * holds a packed block's codes unpacked for it). */
 static float advance_any(const void *grad, int dtype, int64_t first, int64_t period,
@@ -226,9 +236,16 @@ static float advance_any(const void *grad, int dtype, int64_t first, int64_t per
                          float *advanced, const gefen_tables *t, int portable, uint8_t *bytes) {
     int packed = t->size <= PACKED_CODEBOOK_SIZE;
 #if GEFEN_AVX512
-    if (!portable) {
+    if (portable == 0) {
         if (packed) unpack_codes(codes, period, bytes);
         return advance_simd(grad, dtype, first, period, packed ? bytes : codes, old_scale, t,
+                            weight, advanced);
+    }
+#endif
+#if GEFEN_AVX2
+    if (portable != 1) {
+        if (packed) unpack_codes(codes, period, bytes);
+        return advance_avx2(grad, dtype, first, period, packed ? bytes : codes, old_scale, cb,
                             weight, advanced);
     }
 #endif
@@ -266,7 +283,15 @@ static void encode_block(float *restrict advanced, float maximum, int64_t period
     const int32_t *restrict table = nearest ? t->threshold_count : t->count;
     const float *restrict probes = nearest ? t->threshold : cb;
     int window = nearest ? t->threshold_window : t->window;
-    for (int64_t j = 0; j < period; ++j) {
+    int64_t begin = 0; /* elements before ``begin`` are encoded by the AVX2 pass */
+#if GEFEN_AVX2
+    if (nearest && s->portable != 1) {
+        begin = period & ~(int64_t)7;
+        encode_nearest_avx2(advanced, maximum, begin, cb, t, packed ? w->bytes : codes);
+        if (packed) pack_codes(w->bytes, begin, codes); /* ``begin`` is even: whole bytes */
+    }
+#endif
+    for (int64_t j = begin; j < period; ++j) {
         float value = maximum > 0.0f ? advanced[j] / maximum : 0.0f;
         value = value == value ? value : 0.0f;
         x[j] = value;
@@ -274,14 +299,14 @@ static void encode_block(float *restrict advanced, float maximum, int64_t period
     }
     /* nearest: count = #{T < x} (T_255 = +inf ends every scan); stochastic: #{cb < x}. */
     for (int step = 0; step < window; ++step) {
-        for (int64_t j = 0; j < period; ++j) {
+        for (int64_t j = begin; j < period; ++j) {
             int32_t c = count[j];
             int32_t probe = c < size ? c : size - 1;
             count[j] = c + ((c < size) & (probes[probe] < x[j]));
         }
     }
     if (nearest) {
-        for (int64_t j = 0; j < period; ++j) {
+        for (int64_t j = begin; j < period; ++j) {
             set_code(codes, j, count[j], packed);
             advanced[j] = cb[count[j]]; /* the chosen codeword, for the apply pass */
         }
@@ -405,7 +430,7 @@ static float mean_square_portable(const void *grad, int dtype, int64_t first, in
 static float mean_square(const void *grad, int dtype, int64_t first, int64_t period,
                          float *column_sums, int portable) {
 #if GEFEN_AVX512
-    if (!portable) return mean_square_simd(grad, dtype, first, period, column_sums);
+    if (portable == 0) return mean_square_simd(grad, dtype, first, period, column_sums);
 #endif
     (void)portable;
     if (column_sums)
@@ -454,7 +479,7 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
                                     s->one_minus_beta1, w.advanced, t, s->portable, w.bytes);
                     const float *factor = v_block ? NULL : w.factor;
 #if GEFEN_AVX512
-                    if (!s->stochastic && !s->portable && t->coarse_window <= SIMD_MAX_WINDOW) {
+                    if (!s->stochastic && s->portable == 0 && t->coarse_window <= SIMD_MAX_WINDOW) {
                         /* within one row the step sizes are computed in the pass itself */
                         int64_t row = v_block ? 0 : (first + o) / cols;
                         int64_t col = v_block ? 0 : (first + o) % cols;
@@ -558,5 +583,6 @@ int gefen_update_codebook8(void *param, const void *grad, int32_t dtype, uint8_t
 #include "gefen_tables.h"
 #include "gefen_finite.h"
 
-/* 1 when this build has the AVX-512 passes (``portable`` then selects the fallback), else 0. */
-int32_t gefen_simd_available(void) { return GEFEN_AVX512; }
+/* The SIMD passes of this build: bit 0 the AVX-512 ones, bit 1 the AVX2 ones (``portable``
+ * selects among them and the portable loops). */
+int32_t gefen_simd_available(void) { return GEFEN_AVX512 | (GEFEN_AVX2 << 1); }
