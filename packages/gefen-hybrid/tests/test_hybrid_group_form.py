@@ -273,11 +273,27 @@ def test_a_refused_group_changes_nothing_and_the_hybrid_still_trains(backend: st
             ValueError,
             "can't optimize a non-leaf Tensor",
         ),
-    ]
+        # Options torch's AdamW takes into a group and refuses only at its step: the AdamW
+        # backup used to accept the group, and every later step then failed.
+        (
+            {"params": [("extra.weight", extra.weight), ("extra.bias", extra.bias)],
+             "betas": (1.5, 0.9)},
+            ValueError,
+            "beta",
+        ),
+    ]  # fmt: skip
     for group, error, text in cases:
         _rejected(hybrid, lambda group=group: hybrid.add_param_group(group), error, text)
     assert hybrid.owner_of(extra.weight) is None
     _steps(hybrid, model, 1)
+
+
+def test_a_group_form_adamw_backup_refuses_a_group_its_step_would_refuse() -> None:
+    model = _model()
+    hidden, rest = _split(model)
+    groups = [{"params": hidden, "use_muon": True}, {"params": rest, "betas": (1.5, 0.9)}]
+    with pytest.raises(ValueError, match=r"AdamW backup group 0: betas\[0\] must be in"):
+        GefenMuonHybrid(groups, backup_optimizer="adamw", **FAST)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -984,3 +984,44 @@ def test_an_adamw_moment_of_another_shape_fails_before_either_half_changes() -> 
         hybrid, hybrid.step, RuntimeError, "state does not match parameter (exp_avg has shape",
         restore=restore, before=before,
     )  # fmt: skip
+
+
+def _corrupt_exp_avg_dtype(entry: dict[str, Any]) -> None:
+    entry["exp_avg"] = entry["exp_avg"].double()  # e.g. the model was moved with .to() after
+
+
+def _drop_step(entry: dict[str, Any]) -> None:
+    del entry["step"]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "fragment"),
+    [
+        (_corrupt_exp_avg_dtype, "exp_avg is torch.float64 on cpu, the parameter torch.float32"),
+        (_drop_step, "state lacks step"),
+        (None, "state lacks max_exp_avg_sq"),  # amsgrad switched on once state exists
+    ],
+)
+def test_an_adamw_state_its_step_cannot_read_fails_before_either_half_changes(
+    corrupt: Callable[[dict[str, Any]], None] | None, fragment: str
+) -> None:
+    # Before the fix these failed inside AdamW's commit, after the Muon half was written.
+    hybrid = _hybrid(_model(), "adamw")
+    _stepped(hybrid)
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    entry = hybrid.backup.state[group["params"][0]]
+    good = dict(entry)
+    _set_grads(hybrid, 33)
+    before = _snapshot(hybrid)
+    if corrupt is None:
+        group["amsgrad"] = True
+    else:
+        corrupt(entry)
+
+    def restore() -> None:
+        group["amsgrad"] = False
+        entry.clear()
+        entry.update(good)
+
+    _rejects(hybrid, hybrid.step, RuntimeError, fragment, restore=restore, before=before)

@@ -72,17 +72,33 @@ def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
             raise ValueError(f"{where}: {name} must be {allowed}, got {value!r}")
 
 
-def _check_state(entry: Mapping[str, Any], param: Tensor, where: str) -> None:
-    shape = local_tensor(param).shape
+def _check_state(
+    entry: Mapping[str, Any], param: Tensor, where: str, amsgrad: bool = False
+) -> None:
+    """An existing entry as torch's AdamW step reads it: ``step``, both moments (and
+    ``max_exp_avg_sq`` under amsgrad) present, each moment of the parameter's shape, dtype and
+    device (a model moved with ``.to()`` after its first step leaves them behind)."""
+    local = local_tensor(param)
+    required = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    missing = [key for key in required if key not in entry]
+    if missing:
+        raise RuntimeError(f"{where}: state lacks {', '.join(missing)} (AdamW's step reads it)")
     for key in _MOMENT_KEYS:
         moment = entry.get(key)
         if moment is None:
             continue
-        if not isinstance(moment, Tensor) or local_tensor(moment).shape != shape:
+        if not isinstance(moment, Tensor) or local_tensor(moment).shape != local.shape:
             found = tuple(local_tensor(moment).shape) if isinstance(moment, Tensor) else moment
             raise RuntimeError(
                 f"{where}: state does not match parameter ({key} has shape {found}, the "
-                f"parameter {tuple(shape)})"
+                f"parameter {tuple(local.shape)})"
+            )
+        held = local_tensor(moment)
+        if held.dtype != local.dtype or held.device != local.device:
+            raise RuntimeError(
+                f"{where}: state does not match parameter ({key} is {held.dtype} on "
+                f"{held.device}, the parameter {local.dtype} on {local.device}; load a "
+                "checkpoint into the optimizer after moving the model)"
             )
 
 
@@ -135,4 +151,6 @@ def check_adamw_backup(backup: torch.optim.Optimizer, owner: str) -> None:
         for position, param in enumerate(group["params"]):
             entry = backup.state.get(param)
             if entry:
-                _check_state(entry, param, f"{where} parameter {position}")
+                _check_state(
+                    entry, param, f"{where} parameter {position}", bool(group.get("amsgrad"))
+                )

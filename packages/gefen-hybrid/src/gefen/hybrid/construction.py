@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gefen.core import Gefen
+from gefen.hybrid.adamw_preflight import check_adamw_options
 from gefen.hybrid.group_form import group_params, is_group_form, split_groups
 from gefen.hybrid.routing import (
     DEFAULT_BACKUP_SUBSTRINGS,
@@ -31,6 +32,7 @@ __all__ = [
     "backup_child",
     "build_children",
     "check_disjoint",
+    "check_new_backup_group",
     "muon_child",
     "resolve_groups",
     "resolve_lists",
@@ -239,10 +241,18 @@ def muon_child(config: HybridConfig, groups: list[dict[str, Any]]) -> GefenMuon:
     )
 
 
+def check_new_backup_group(config: HybridConfig, backup: torch.optim.Optimizer, index: int) -> None:
+    """Refuse a group joining an AdamW backup with options its step would refuse (torch's
+    AdamW checks only its defaults; Gefen checks every group itself)."""
+    if config.backup_optimizer == "adamw":
+        where = f"GefenMuonHybrid: AdamW backup group {index}"
+        check_adamw_options(backup.param_groups[index], where)
+
+
 def backup_child(config: HybridConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """The backup child (Gefen or AdamW) over ``groups``, the hybrid's options as defaults."""
     if config.backup_optimizer == "adamw":
-        return torch.optim.AdamW(
+        adamw = torch.optim.AdamW(
             groups,
             lr=config.backup_lr,
             betas=config.betas,
@@ -250,6 +260,9 @@ def backup_child(config: HybridConfig, groups: list[dict[str, Any]]) -> torch.op
             weight_decay=config.backup_weight_decay,
             **dict(config.backup_adamw_kwargs or {}),
         )
+        for index in range(len(adamw.param_groups)):
+            check_new_backup_group(config, adamw, index)
+        return adamw
     return Gefen(
         groups,
         lr=config.backup_lr,

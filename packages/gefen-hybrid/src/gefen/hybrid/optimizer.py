@@ -46,6 +46,7 @@ from gefen.hybrid.construction import (
     backup_child,
     build_children,
     check_disjoint,
+    check_new_backup_group,
     muon_child,
     resolve_groups,
 )
@@ -263,6 +264,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                 elif groups:
                     child.add_param_group(groups[0])
                     added.append((role, child))
+                    if role == "backup":
+                        check_new_backup_group(config, child, len(child.param_groups) - 1)
         except BaseException:
             for role, child in reversed(added):
                 if child is None:
