@@ -474,3 +474,43 @@ def test_a_misfitting_checkpoint_fails_closed_on_every_rank(misfits: Any) -> Non
         assert result["row_periods_changes"] == []
     assert first["presence"] == "Gefen load validation failed on another process-group member"
     assert second["presence"].startswith("Gefen load validation failed on local rank 1")
+
+
+def scenario_stale_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 loads its state from one step before rank 0's, through torch's in-memory
+    get/set_optimizer_state_dict (no header at this level): the step and the codebook of a
+    row-sharded optimizer are replicas, so every rank refuses, nothing changed."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from gefen.core import Gefen
+    from gefen.core.testing import SNAPSHOT_ATTRIBUTES, attempt
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    model = _model(world_size)
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    assert optimizer.row_sharded()
+    saved = []
+    for seed in range(3):
+        _train(model, optimizer, rank, range(seed, seed + 1))
+        saved.append(copy.deepcopy(get_optimizer_state_dict(model, optimizer)))
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    stale = saved[1] if rank == 1 else saved[2]
+    outcome = attempt(lambda: set_optimizer_state_dict(model, optimizer, stale), value=False)
+    changes = snapshot_diff(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    _train(model, optimizer, rank, range(3, 4))
+    return {"outcome": outcome, "changes": changes, "step": optimizer.global_step}
+
+
+def test_a_stale_state_on_one_rank_of_a_row_sharded_optimizer_fails_every_rank() -> None:
+    # It was accepted: ranks then disagreed on the global step and the codebook, and the next
+    # refresh ran its all-reduce on one rank only.
+    world = run_scenarios([("stale", scenario_stale_on_one_rank, ())], 2, rank_deadline_s=300.0)
+    for result in world["stale"]:
+        assert result["changes"] == []
+        assert result["step"] == 4
+        assert "replicated state differs" in result["outcome"]["error"]

@@ -1227,3 +1227,23 @@ def test_commit_failure_latch_survives_rejected_load_and_clears_on_success() -> 
     assert target._commit_failed is False
     assert target.global_step == 3
     _trains(target)
+
+
+def test_state_dict_creates_no_live_entry_for_a_parameter_added_to_a_group() -> None:
+    # state_dict() is a read: a parameter appended to a group and never stepped gets a complete
+    # fresh entry in the checkpoint and none in the live state (it used to get a live {}).
+    torch.manual_seed(0)
+    matrix = torch.nn.Parameter(torch.randn(16, 32))
+    optimizer = GefenMuon([matrix], lr=1e-3)
+    matrix.grad = torch.randn_like(matrix)
+    optimizer.step()
+    added = torch.nn.Parameter(torch.randn(8, 8))
+    optimizer.param_groups[0]["params"].append(added)
+    saved = optimizer.state_dict()
+    assert added not in optimizer.state
+    twin = GefenMuon(
+        [matrix.detach().clone().requires_grad_(), added.detach().clone().requires_grad_()],
+        lr=1e-3,
+    )
+    twin.load_state_dict(saved)
+    assert twin.global_step == optimizer.global_step

@@ -5,8 +5,10 @@ matrix, the codebook learned from full gradients, the global step) is a replica:
 the mesh loads the same consolidated file. A stale file on one rank would make the replicas
 diverge silently, so the load vote compares a digest of that state in its own all-reduce
 (``GuardedOperation.local_agreeing``) and one stale file fails every rank with nothing changed.
-Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested; of a DTensor
-(a replica saved as each rank's rows) the digest takes the global layout, not this rank's rows.
+Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested, but under
+row sharding the global step and the codebook are (docs/core.md §9.1), so a stale file loaded
+through torch's header-less get/set path fails there too; of a DTensor (a replica saved as each
+rank's rows) the digest takes the global layout, not this rank's rows.
 """
 
 from __future__ import annotations

@@ -32,12 +32,7 @@ from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.state import CodecKeys, EntrySpec, entries_nbytes
 from gefen.core.steady import SteadyToken, plain_parameters, same_token, step_token
 from gefen.core.template import TemplateLayout
-from gefen.core.transaction import (
-    STEP_SIGNATURE,
-    HookedStepState,
-    run_load,
-    run_step,
-)
+from gefen.core.transaction import STEP_SIGNATURE, HookedStepState, run_load, run_step
 from gefen.core.validation import (
     amp_scaling_supported,
     check_finite_gradients,
@@ -50,10 +45,7 @@ from gefen.dist import (
     ProcessGroupBinding,
     collect_failure_scope,
 )
-from gefen.dist.codebook_scope import (
-    HEADER_WORD_NAMES,
-    OP_STEP,
-)
+from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
 from gefen.dist.torch_internals import HOOK_REGISTRIES, set_grad_enabled, state_dict_with_hooks
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
@@ -131,8 +123,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return "rank_local" in self.OPTIONAL_EXTRAS and len(self.step_failure_scope()) > 0
 
     def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None:
-        """Flat positions whose state is identical on every rank (None: no replica)."""
-        return None if self._finalized is None else self._finalized.replicated_positions()
+        """Flat positions identical on every rank (None: none; []: step and codebook, §9.1)."""
+        if self._finalized is None:
+            return [] if self.row_sharded() else None
+        return self._finalized.replicated_positions()
 
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
         """Registration-only rules for a normalised new group (GefenMuon: 2-D parameters, no

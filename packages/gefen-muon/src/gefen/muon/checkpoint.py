@@ -99,10 +99,10 @@ def consolidated_entries(optimizer: ShellInterface) -> dict[int, dict[str, Any]]
     Collective whenever eligible distributed groups exist: every rank must call it.
     """
     indexed = optimizer.indexed_params()
-    entries = {index: dict(optimizer.state[param]) for index, _, param in indexed}
+    entries = {index: dict(optimizer.state.get(param, {})) for index, _, param in indexed}
     for slots in distributed_slots(indexed):
         for slot in slots:
-            own = dict(optimizer.state[slot.param]) if slot.is_owner() else None
+            own = dict(optimizer.state.get(slot.param, {})) if slot.is_owner() else None
             entry = broadcast_owner_state(
                 own, owner=slot.owner, channel=slot.channel, owner_name=optimizer.OWNER_NAME
             )
