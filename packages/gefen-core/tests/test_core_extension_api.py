@@ -55,6 +55,7 @@ EXPECTED = {
     "local_rows": "gefen.core.resharding",
     "local_tensor": "gefen.core.validation",
     "lr_value": "gefen.core.options",
+    "real_value": "gefen.core.options",
     "parameter_field": "gefen.core.contract",
     "parameter_label": "gefen.core.validation",
     "resolve_default": "gefen.core.extension",

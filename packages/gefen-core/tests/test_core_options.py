@@ -358,3 +358,42 @@ def test_factored_floor_is_a_group_option_read_every_step_and_keeps_no_state() -
     optimizer.param_groups[0]["factored_floor"] = False  # read again at the next step
     moved_floored, moved_plain = step()
     torch.testing.assert_close(moved_floored, moved_plain, rtol=1e-4, atol=1e-7)
+
+
+def _numpy_scalar_run(kind: type) -> torch.Tensor:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6, 5))
+    optimizer = Gefen(
+        [p],
+        lr=kind(0.01),
+        betas=(kind(0.9), kind(0.99)),
+        eps=kind(1e-8),
+        weight_decay=kind(0.1),
+    )
+    for step in range(4):
+        p.grad = torch.sin(torch.arange(30.0).reshape(6, 5) + step)
+        optimizer.step()
+        optimizer.param_groups[0]["lr"] = kind(0.01 / (step + 2))  # a scheduler's own number type
+    return p.detach().clone()
+
+
+def test_numpy_scalar_hyperparameters_train_as_their_float_values() -> None:
+    """torch's optimizers take ``np.float32(lr)`` (a config read through NumPy); so do we, with
+    the trajectory of the same values given as Python floats."""
+    import numpy as np
+
+    as_float = _numpy_scalar_run(lambda value: float(np.float32(value)))
+    as_numpy = _numpy_scalar_run(np.float32)
+    assert torch.equal(as_float, as_numpy)
+    Gefen(_params(), lr=np.int64(0))  # an integer zero, as torch allows
+
+
+@pytest.mark.parametrize("bad", ["np.bool_", "10**400", "nan"])
+def test_values_that_are_not_finite_reals_are_refused_by_name(bad: str) -> None:
+    import numpy as np
+
+    value = {"np.bool_": np.bool_(True), "10**400": 10**400, "nan": np.float32("nan")}[bad]
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        Gefen(_params(), lr=value)
+    with pytest.raises(ValueError, match="Invalid weight_decay value"):
+        Gefen(_params(), weight_decay=value)

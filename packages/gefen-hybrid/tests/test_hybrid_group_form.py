@@ -389,3 +389,37 @@ def test_a_groups_codec_and_rounding_reach_its_childs_group() -> None:
     _steps(twin, twin_model, 1)
     for mine, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+def _numpy_scalar_trajectory(backend: str, kind: Callable[[float], Any]) -> list[torch.Tensor]:
+    model = _model()
+    hidden, rest = _split(model)
+    hybrid = GefenMuonHybrid(
+        [{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}],
+        lr=kind(0.01),
+        backup_optimizer=backend,
+        **FAST,
+    )
+    for step in range(3):
+        _steps(hybrid, model, 1)
+        for group in hybrid.param_groups:  # a scheduler written against NumPy
+            group["lr"] = kind(0.01 / (step + 2))
+            group["momentum"] = kind(0.9 - 0.05 * step)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_scalar_lr_and_momentum_train_as_their_float_values(backend: str) -> None:
+    """``np.float32`` hyperparameters (a config or a scheduler read through NumPy) are real
+    numbers to torch's optimizers and to every child here, the AdamW backup included. Gefen
+    reads them as floats (the same bits); torch's AdamW does its scalar arithmetic in the
+    NumPy type (float32 under NumPy 2's promotion), so its half agrees to float32 precision."""
+    import numpy as np
+
+    as_float = _numpy_scalar_trajectory(backend, lambda value: float(np.float32(value)))
+    as_numpy = _numpy_scalar_trajectory(backend, np.float32)
+    for a, b in zip(as_float, as_numpy, strict=True):
+        if backend == "gefen":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1102,10 +1102,19 @@ def test_manifest_not_a_dict_rejected() -> None:
     _check_rejection(sd, target, "the muon_distributed manifest must be a dict")
 
 
-def test_manifest_only_at_top_level_rejected() -> None:
+def test_manifest_at_top_level_only_loads() -> None:
+    """What ``state_dict()`` writes: the manifest at the top level only (docs/core.md §8.1)."""
     sd, target, _ = _with_manifest()
     for group in sd["param_groups"]:
         del group["gefen"]["muon_distributed"]
+    target.load_state_dict(sd)
+    assert target.global_step == 3
+
+
+def test_a_group_manifest_that_differs_from_the_top_level_one_is_rejected() -> None:
+    """A file of an earlier release has the manifest in its groups too: there it must agree."""
+    sd, target, _ = _with_manifest()
+    sd["param_groups"][1]["gefen"]["muon_distributed"]["groups"] = []
     _check_rejection(sd, target, "extras copies differ between the top level and the groups")
 
 

@@ -653,3 +653,31 @@ def test_a_valid_group_edit_is_honoured_at_the_next_step() -> None:
     optimizer.step()
     assert optimizer.global_step == 2
     assert all(torch.equal(b, p) for b, p in zip(before, (first, second), strict=True))
+
+
+def _numpy_scalar_trajectory(kind: Callable[[float], Any]) -> torch.Tensor:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 6))
+    optimizer = GefenMuon(
+        [p], lr=kind(0.02), momentum=kind(0.9), weight_decay=kind(0.1), eps=kind(1e-7)
+    )
+    for step in range(4):
+        p.grad = torch.sin(torch.arange(48.0).reshape(8, 6) + step)
+        optimizer.step()
+        optimizer.param_groups[0]["lr"] = kind(0.02 / (step + 2))
+    return p.detach().clone()
+
+
+def test_numpy_scalar_hyperparameters_train_as_their_float_values() -> None:
+    import numpy as np
+
+    as_float = _numpy_scalar_trajectory(lambda value: float(np.float32(value)))
+    as_numpy = _numpy_scalar_trajectory(np.float32)
+    assert torch.equal(as_float, as_numpy)
+
+
+def test_a_numpy_bool_is_not_a_momentum() -> None:
+    import numpy as np
+
+    with pytest.raises(ValueError, match="Invalid momentum value"):
+        GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], momentum=np.bool_(False))

@@ -256,10 +256,16 @@ def _tensors(value: Any) -> list[Any]:
     return []
 
 
-def scenario_full_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+def scenario_full_resume(rank: int, world_size: int, folder: str, how: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     model, optimizer = _build(world_size, "distributed")
     saved = torch.load(Path(folder) / "full.pt", weights_only=True)
-    optimizer.load_state_dict(saved["optim"])
+    if how == "load_state_dict":
+        optimizer.load_state_dict(saved["optim"])
+    else:  # torch's own full-state-dict load, as for AdamW under FSDP2
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, saved["optim"], options=options)
     gathered = gathered_optimizer_state(model, optimizer)
     step = optimizer.global_step
     _train(model, optimizer, range(3, 5))
@@ -270,14 +276,46 @@ def scenario_full_resume(rank: int, world_size: int, folder: str) -> dict[str, A
 
 
 def test_a_full_state_dict_of_distributed_rows_is_one_file_for_any_world(tmp_path: Path) -> None:
+    """Resumed with ``load_state_dict`` or torch's ``set_optimizer_state_dict(...,
+    full_state_dict=True)``, which matches the extras item by item against a fresh optimizer's
+    (the manifest, whose lists grow as entries initialise, stays out of the group copies)."""
     saved = run_scenarios(
         [("save", scenario_full_save, (str(tmp_path),))], 2, rank_deadline_s=300.0
     )
     assert all(result["plain"] for result in saved["save"])
     for world in (1, 3):
-        resumed = run_scenarios(
-            [("resume", scenario_full_resume, (str(tmp_path),))], world, rank_deadline_s=300.0
-        )
-        for result in resumed["resume"]:
-            assert result["state_equal"]
-            assert result["trained"] == (3, 5)
+        resumes = [
+            (how, scenario_full_resume, (str(tmp_path), how))
+            for how in ("load_state_dict", "set_full")
+        ]
+        resumed = run_scenarios(resumes, world, rank_deadline_s=300.0)
+        for how in ("load_state_dict", "set_full"):
+            for result in resumed[how]:
+                assert result["state_equal"], how
+                assert result["trained"] == (3, 5), how
+
+
+@pytest.fixture(scope="module")
+def across_modes(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    """exact and distributed state is global: each mode's world-2 file through DCP into a fresh
+    optimizer of the other mode, at world 2 and 3 (docs/muon.md §8)."""
+    folder = tmp_path_factory.mktemp("muon_across")
+    outcomes: dict[Any, Any] = {}
+    saves = [(mode, scenario_save, (str(folder), mode)) for mode in ("exact", "distributed")]
+    outcomes["save"] = run_scenarios(saves, 2, rank_deadline_s=300.0)
+    for world in (2, 3):
+        resumes = [
+            ("exact", scenario_resume, (str(folder), "exact", 2, "distributed")),
+            ("distributed", scenario_resume, (str(folder), "distributed", 2, "exact")),
+        ]
+        outcomes[world] = run_scenarios(resumes, world, rank_deadline_s=300.0)
+    return outcomes
+
+
+@pytest.mark.parametrize("saved", ["exact", "distributed"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_and_distributed_files_resume_into_each_other_through_dcp(
+    world: int, saved: str, across_modes: Any
+) -> None:
+    for result in across_modes[world][saved]:
+        assert _resumed(result), result

@@ -207,7 +207,7 @@ class _Loader:
             copies.insert(0, self.sd[EXTRAS_KEY])
         if not copies:
             raise self.reject("extras 'gefen' missing (neither top-level nor in the groups)")
-        if any(not _equal(self.comparable(copies[0]), other) for other in copies[1:]):
+        if any(not _equal(self.comparable(copies[0], other), other) for other in copies[1:]):
             raise self.reject("extras copies differ between the top level and the groups")
         extras = copies[0]
         if not isinstance(extras, dict):
@@ -223,12 +223,17 @@ class _Loader:
         self.check_extras(loaded)
         return loaded
 
-    def comparable(self, first: Any) -> Any:
-        """The first extras copy as the group copies must equal it: a row-sharded save keeps
-        its rank-local header at the top level only (§9.1)."""
-        if self.optimizer.row_sharded() and isinstance(first, dict) and EXTRAS_KEY in self.sd:
-            return {key: value for key, value in first.items() if key != "rank_local"}
-        return first
+    def comparable(self, first: Any, copy: Any) -> Any:
+        """The first extras copy as the group ``copy`` must equal it: without the keys a group
+        copy leaves to the top level where ``copy`` lacks them, namely the optimizer's
+        ``TOP_LEVEL_EXTRAS`` (§8.1; a file written before they moved has them in its groups,
+        and there they must still agree) and a row-sharded save's rank-local header (§9.1)."""
+        if not isinstance(first, dict) or not isinstance(copy, dict) or EXTRAS_KEY not in self.sd:
+            return first
+        optional = set(self.optimizer.TOP_LEVEL_EXTRAS)
+        if self.optimizer.row_sharded():
+            optional.add("rank_local")
+        return {key: value for key, value in first.items() if key in copy or key not in optional}
 
     def check_extras(self, extras: dict[str, Any]) -> None:
         allowed = set(BASE_EXTRAS) | set(self.optimizer.OPTIONAL_EXTRAS)

@@ -21,7 +21,7 @@ built on the shell uses the same list. Names are grouped by what they are for:
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
   ``group_uses_codebook``, ``group_codecs`` (a group's own ``momentum_codec``),
   ``check_group_codec``, ``codes_per_byte``, ``variant_prefix``, ``CODEBOOK_CODECS``,
-  ``VARIANT_PREFIX`` (codebook8 and codebook4), ``lr_value``,
+  ``VARIANT_PREFIX`` (codebook8 and codebook4), ``lr_value``, ``real_value``,
   ``amp_scaling_supported``, ``check_finite_gradients``, ``validate_gradient_structure``,
   ``is_dtensor``, ``local_tensor``, ``parameter_label``;
 * contracts: ``api_flags``, ``extras_field``, ``finalized_training``, ``parameter_field``.
@@ -51,6 +51,7 @@ from gefen.core.options import (
     group_codecs,
     group_uses_codebook,
     lr_value,
+    real_value,
     variant_prefix,
 )
 from gefen.core.participant import ShellInterface
@@ -117,6 +118,7 @@ __all__ = [
     "lr_value",
     "parameter_field",
     "parameter_label",
+    "real_value",
     "resolve_default",
     "row_period",
     "row_sharded_mesh",

@@ -8,6 +8,7 @@ caller where normalising is allowed).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,8 +70,19 @@ GEFEN_FLAGS = (
 )
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def real_value(value: object) -> float | None:
+    """A real number's value as a float, or None for anything else.
+
+    Real numbers are what ``numbers.Real`` admits (Python and NumPy ints and floats,
+    ``Fraction``), not a bool: a config read through NumPy hands ``np.float32`` to an
+    optimizer that torch's own optimizers accept. An int too large for a float reads as ±inf,
+    which every finite-range check then refuses by name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return -math.inf if str(value).startswith("-") else math.inf  # a huge int or Fraction
 
 
 def check_lr(lr: object) -> None:
@@ -81,8 +93,8 @@ def check_lr(lr: object) -> None:
         if not lr.is_floating_point():
             raise ValueError(f"Invalid learning rate: a tensor lr must be floating, got {lr.dtype}")
         value = float(lr.detach().reshape(()).item())
-    elif _is_real(lr):
-        value = float(lr)  # type: ignore[arg-type]
+    elif (number := real_value(lr)) is not None:
+        value = number
     else:
         raise ValueError(f"Invalid learning rate: {lr!r}")
     if not math.isfinite(value) or value < 0:
@@ -94,7 +106,8 @@ def check_betas(betas: object) -> tuple[float, float]:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid beta parameter at index 0: betas must be a pair, got {betas!r}")
     for index, beta in enumerate(betas):
-        if not _is_real(beta) or not 0.0 <= float(beta) < 1.0:
+        number = real_value(beta)
+        if number is None or not 0.0 <= number < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta!r}")
     return (betas[0], betas[1])
 
@@ -106,10 +119,9 @@ def check_flag(name: str, value: object) -> None:
 
 
 def _check_positive_finite(name: str, label: str, value: object, *, allow_zero: bool) -> None:
-    ok = _is_real(value) and math.isfinite(float(value))  # type: ignore[arg-type]
-    if ok:
-        ok = float(value) >= 0 if allow_zero else float(value) > 0  # type: ignore[arg-type]
-    if not ok:
+    number = real_value(value)
+    in_range = number is not None and math.isfinite(number) and number >= 0
+    if not in_range or (number == 0 and not allow_zero):
         raise ValueError(f"Invalid {label} value: {value!r}")
 
 

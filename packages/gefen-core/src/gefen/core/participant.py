@@ -31,6 +31,7 @@ class ShellInterface(Protocol):
     OWNER_NAME: ClassVar[str]
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]]
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]]
+    TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]]
     CODEC_KEYS: ClassVar[CodecKeys]
     POST_SHARDING_LAYOUTS: ClassVar[tuple[Any, ...]]
     TEMPLATE_COMPLETE: ClassVar[bool]

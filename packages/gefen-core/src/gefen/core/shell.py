@@ -60,6 +60,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = ()
     CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")
+    # Extras written at the top level only: DCP, which keeps only the group copies, neither
+    # saves nor asks for them (docs/core.md §8.1).
+    TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]] = ()
     # GefenMuon: every parameter must stay 2-D, even without a gradient (docs/muon.md §6).
     REQUIRE_2D: ClassVar[bool] = False
     # The attributes __getstate__ copies (a whitelist: never an instance-level `step` wrapper).

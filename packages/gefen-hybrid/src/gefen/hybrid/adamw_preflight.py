@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen.core.extension import local_tensor
+from gefen.core.extension import local_tensor, real_value
 
 __all__ = [
     "check_adamw_amp_precision",
@@ -41,9 +41,10 @@ def _real(value: object, where: str, name: str) -> float | None:
         if value.device.type != "cpu":
             return None
         return float(value.detach().reshape(()).item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = real_value(value)
+    if number is None:
         raise ValueError(f"{where}: {name} must be a real number, got {type(value).__name__}")
-    return float(value)
+    return number
 
 
 def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
@@ -111,7 +112,8 @@ def fp16_safe(group: Mapping[str, Any]) -> bool:
     smallest subnormal (the default 1e-8) rounds to 0, so a zero gradient element divides 0 by
     0 and the parameter turns NaN."""
     eps = group.get("eps", 1e-8)
-    return bool(group.get("fused")) or (isinstance(eps, (int, float)) and eps >= _FP16_TINY)
+    eps_value = real_value(eps)
+    return bool(group.get("fused")) or (eps_value is not None and eps_value >= _FP16_TINY)
 
 
 def check_adamw_amp_precision(backup: torch.optim.Optimizer, owner: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
+from gefen.core.extension import real_value
 from gefen.hybrid.routing import is_muon_param
 
 __all__ = ["follow_scheduled_momentum", "group_params", "is_group_form", "split_groups"]
@@ -134,11 +135,8 @@ def follow_scheduled_momentum(groups: Iterable[dict[str, Any]]) -> None:
         if "momentum" not in group or "betas" not in group:
             continue
         momentum = group["momentum"]
-        if (
-            isinstance(momentum, bool)
-            or not isinstance(momentum, (int, float))
-            or not 0.0 <= momentum < 1.0
-        ):
+        number = real_value(momentum)
+        if number is None or not 0.0 <= number < 1.0:
             raise ValueError(
                 f"backup param group {index}: 'momentum' is read as beta1 (a momentum-cycling "
                 f"scheduler writes it) and must be a real in [0, 1), got {momentum!r}"

@@ -103,6 +103,9 @@ class GefenMuon(OptimizerShell):
     CODEC_KEYS: ClassVar[CodecKeys] = _MUON_CODEC_KEYS
     TEMPLATE_COMPLETE: ClassVar[bool] = True
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "muon_distributed", "rank_local")
+    # The manifest describes a consolidated save to a plain load; through DCP it would make a
+    # distributed optimizer's template ask an exact file for it (docs/muon.md §8).
+    TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]] = ("muon_distributed",)
     REQUIRE_2D: ClassVar[bool] = True
     POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
         ParameterLayout.REPLICATED,

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
-from gefen.core.extension import check_flag, check_lr
+from gefen.core.extension import check_flag, check_lr, real_value
 from gefen.muon.kernels import STANDARD_TRIPLE, resolve_ns_schedule
 
 __all__ = [
@@ -38,26 +38,20 @@ _MIX_MESSAGE = (
 )
 
 
-def _real(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
 def _check_unit_interval(name: str, value: object) -> None:
-    number = _real(value)
+    number = real_value(value)
     if number is None or not 0.0 <= number < 1.0:
         raise ValueError(f"Invalid {name} value: {value!r} (must satisfy 0 <= {name} < 1)")
 
 
 def _check_positive_finite(name: str, value: object) -> None:
-    number = _real(value)
+    number = real_value(value)
     if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"Invalid {name} value: {value!r} (must be finite and > 0)")
 
 
 def _check_weight_decay(value: object) -> None:
-    number = _real(value)
+    number = real_value(value)
     if number is None or not math.isfinite(number) or number < 0:
         raise ValueError(f"Invalid weight_decay value: {value!r} (must be finite and >= 0)")
 
