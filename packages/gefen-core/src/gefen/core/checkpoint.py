@@ -75,11 +75,6 @@ def check_checkpoint_binding(
         )
 
 
-def _reject(owner: str, rule: str) -> ValueError:
-    """A load rejection in the shared loader's one format."""
-    return ValueError(f"{owner} checkpoint: {rule}")
-
-
 # -- load ---------------------------------------------------------------------------------------
 
 
@@ -150,7 +145,8 @@ class _Loader:
         self.sd = sd
 
     def reject(self, rule: str) -> ValueError:
-        return _reject(self.owner, rule)
+        """A load rejection in the loader's one format."""
+        return ValueError(f"{self.owner} checkpoint: {rule}")
 
     # structure
 
@@ -224,10 +220,8 @@ class _Loader:
         return loaded
 
     def comparable(self, first: Any, copy: Any) -> Any:
-        """The first extras copy as the group ``copy`` must equal it: without the keys a group
-        copy leaves to the top level where ``copy`` lacks them, namely the optimizer's
-        ``TOP_LEVEL_EXTRAS`` (§8.1; a file written before they moved has them in its groups,
-        and there they must still agree) and a row-sharded save's rank-local header (§9.1)."""
+        """``first`` as the group ``copy`` must equal it: without the top-level-only keys (the
+        ``TOP_LEVEL_EXTRAS``, §8.1, and a row-sharded save's ``rank_local``, §9.1) it lacks."""
         if not isinstance(first, dict) or not isinstance(copy, dict) or EXTRAS_KEY not in self.sd:
             return first
         optional = set(self.optimizer.TOP_LEVEL_EXTRAS)
