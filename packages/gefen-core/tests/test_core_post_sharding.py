@@ -1153,6 +1153,27 @@ def test_checkpoint_binding_must_be_a_checkpoint_binding() -> None:
     trains(setup.opt)
 
 
+def test_state_dict_checks_a_checkpoint_binding_by_the_load_rules() -> None:
+    """``state_dict(checkpoint_binding=)`` refuses what ``load_state_dict`` refuses, in the
+    same voted preflight as the state it saves (docs/core.md §8.1)."""
+    setup = _trained("solo")
+    plain = setup.opt.state_dict()
+    for wrong, error, rule in (
+        (setup.binding, TypeError, "checkpoint_binding must be a CheckpointProcessGroupBinding"),
+        (
+            CheckpointProcessGroupBinding(OTHER, ME, None, "cpu"),
+            BindingError,
+            "checkpoint_binding does not match the installed codebook binding",
+        ),
+    ):
+        rejects(setup.opt, lambda b=wrong: setup.opt.state_dict(checkpoint_binding=b), error, rule)
+    same = CheckpointProcessGroupBinding(SOLO, ME, None, "cpu")
+    saved = setup.opt.state_dict(checkpoint_binding=same)
+    assert saved["gefen"]["global_step"] == plain["gefen"]["global_step"] == 3
+    assert torch.equal(saved["gefen"]["codebook"], plain["gefen"]["codebook"])
+    trains(setup.opt)
+
+
 # -- DTensor targets -----------------------------------------------------------------------------
 
 

@@ -336,7 +336,20 @@ def scenario_checkpoint_binding(rank: int, world: int) -> dict[str, Any]:
     save["changes"] = mt.changes(optimizer, before)
     load = _attempt(lambda: optimizer.load_state_dict(sd, checkpoint_binding=wrong))
     load["changes"] = mt.changes(optimizer, before)
-    with_right = optimizer.state_dict(checkpoint_binding=right)
+    import gefen.dist.guarded as guarded
+
+    voted: list[str] = []
+    vote = guarded.synchronize_step_error
+
+    def counting(error: Any, phase: str, *args: Any, **kwargs: Any) -> None:
+        voted.append(phase)
+        vote(error, phase, *args, **kwargs)
+
+    guarded.synchronize_step_error = counting  # type: ignore[assignment]
+    try:
+        with_right = optimizer.state_dict(checkpoint_binding=right)
+    finally:
+        guarded.synchronize_step_error = vote
     same_manifest = with_right["gefen"]["muon_distributed"] == sd["gefen"]["muon_distributed"]
     optimizer.load_state_dict(with_right, checkpoint_binding=right)
     previous = mt.full_params(model)
@@ -347,6 +360,7 @@ def scenario_checkpoint_binding(rank: int, world: int) -> dict[str, Any]:
         "save": save,
         "load": load,
         "same_manifest": same_manifest,
+        "save_votes": voted,
         "trained": (optimizer.global_step, mt.max_diff(previous, mt.full_params(model)) > 0),
     }
 
@@ -595,6 +609,7 @@ def test_checkpoint_binding_with_another_handle_is_refused_and_the_right_one_acc
             assert attempt["changes"] == []
             assert attempt["elapsed"] < DEADLINE_S
         assert result["same_manifest"]
+        assert result["save_votes"] == ["state dict preflight"]  # one vote checks the binding too
         assert result["trained"] == (2, True)
 
 

@@ -106,9 +106,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def _check_structure(self) -> None:
         """§7.2's structural checks: the layout, each gradient, each entry against its group."""
         self._check_finalized_layout()
-        validate_gradient_structure(
-            self.param_groups, owner=self.OWNER_NAME, require_2d=self.REQUIRE_2D
-        )
+        groups, owner = self.param_groups, self.OWNER_NAME
+        validate_gradient_structure(groups, owner=owner, require_2d=self.REQUIRE_2D)
         self._check_local_inputs()
 
     def _check_local_inputs(self) -> None:
@@ -438,16 +437,20 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     # -- checkpoints (§8) -------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, checkpoint_binding: object = None) -> dict[str, Any]:
+        """torch's layout plus the extras (§8.1) after one voted preflight of the binding and of
+        options edited since the step (a codec edited after its state exists fails there)."""
         self._check_finalized_layout()
-        # edited options (a codec after its state exists) fail by the step's rules, not mid-build
-        self.guarded_operation().local("state dict preflight", self._check_state_to_save)
+        self.guarded_operation().local(
+            "state dict preflight", self._check_state_to_save, checkpoint_binding
+        )
         return state_dict_with_hooks(  # type: ignore[no-any-return]
             self,
             lambda: build_state_dict(self, self._build_state_entries(self.guarded_operation())),
         )
 
-    def _check_state_to_save(self) -> None:
+    def _check_state_to_save(self, checkpoint_binding: object) -> None:
+        self._check_checkpoint_binding(checkpoint_binding)
         self._validate_changed_groups()
         self._check_local_inputs()
 

@@ -66,7 +66,6 @@ from gefen.muon.update import (
 __all__ = ["GefenMuon"]
 
 _MUON_CODEC_KEYS = CodecKeys(dense="momentum_buffer")
-PHASE_STATE_DICT_PREFLIGHT = "state dict preflight"
 
 
 def _stochastic(group: Mapping[str, Any]) -> bool:
@@ -469,14 +468,6 @@ class GefenMuon(OptimizerShell):
         from gefen.muon.checkpoint import check_checkpoint_binding
 
         check_checkpoint_binding(self, checkpoint_binding)
-
-    def state_dict(self, *, checkpoint_binding: object = None) -> dict[str, Any]:
-        """torch's layout plus the extras; collective with eligible distributed groups (§8)."""
-        if checkpoint_binding is not None or len(self.step_failure_scope()) > 0:
-            self.guarded_operation().local(
-                PHASE_STATE_DICT_PREFLIGHT, self._check_checkpoint_binding, checkpoint_binding
-            )
-        return super().state_dict()
 
     def _build_state_entries(self, operation: GuardedOperation) -> dict[int, dict[str, Any]]:
         from gefen.muon.checkpoint import consolidated_entries
