@@ -151,3 +151,31 @@ def test_a_large_gradient_whose_squares_stay_finite_is_taken() -> None:
     p.grad = torch.full((8, 16), 1e18)  # 16 squares of 1e36 per row: finite
     optimizer.step()
     assert bool(torch.isfinite(p).all())
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [torch.float32, torch.float64],
+    ids=["fp32", "fp64"],
+)
+def test_a_large_finite_gradient_does_not_freeze_a_factored_parameter(kind: torch.dtype) -> None:
+    """v_row·v_col overflowed fp32 long before g² did (|g| ≈ 1e12 against 1.8e19): the eager and
+    compiled paths then stepped by exactly 0, then and for thousands of steps after, while the
+    native kernel (a product of roots) stepped. v̂ is now formed as (v_row / mean)·v_col, which
+    stays finite wherever the squares' sums do, and every path steps like the native one."""
+    moves: dict[bool, list[float]] = {}
+    for fused in (True, False):  # fp32 on the CPU: the native kernel; fp64: inductor
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(16, 24, dtype=kind))
+        optimizer = Gefen([p], lr=1e-2, fused=fused)
+        moves[fused] = []
+        for step in range(4):
+            before = p.detach().clone()
+            p.grad = torch.randn(16, 24, dtype=kind) * (1e15 if step == 1 else 1.0)
+            optimizer.step()
+            assert bool(torch.isfinite(p).all())
+            moves[fused].append((p.detach() - before).abs().max().item())
+    for fused, moved in moves.items():
+        assert moved[1] > 0.5e-2, (fused, moved)  # the spike's step is an Adam-sized one
+        assert all(m > 0 for m in moved[2:]), (fused, moved)  # and the parameter goes on moving
+    assert moves[False][1] == pytest.approx(moves[True][1], rel=1e-3)

@@ -256,10 +256,10 @@ def factored_update_(
     columns = v_col.shape[0]
     if v_row.shape[0] * columns == rows * period:
         # The chunk is whole matrix rows (the caller passes their slice of v_row): a broadcast.
-        second = (v_row[:, None] * v_col[None, :] / normaliser).reshape(rows, period)
+        second = ((v_row / normaliser)[:, None] * v_col[None, :]).reshape(rows, period)
     else:
         flat = first + torch.arange(rows * period, device=grad.device, dtype=torch.int64)
-        second = (v_row[flat // columns] * v_col[flat % columns] / normaliser).view(rows, period)
+        second = ((v_row / normaliser)[flat // columns] * v_col[flat % columns]).view(rows, period)
     decay, write, floor, nesterov = flags
     if floor:  # update.floored_second_moment, in the same fp32 order
         second = torch.maximum(second, (gradient * gradient) * hp32[HP_ONE_MINUS_BETA2])

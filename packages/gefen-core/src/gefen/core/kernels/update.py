@@ -272,8 +272,10 @@ def update_block(
 
 
 def factored_second_moment(v_row: Tensor, v_col: Tensor) -> Tensor:
-    """§6.2: ``v̂_ij = v_row_i · v_col_j / max(mean(v_row), FLT_MIN)``, fp32 (R, C)."""
-    return torch.outer(v_row, v_col) / v_row.mean().clamp_min(FLT_MIN)
+    """§6.2: ``v̂_ij = (v_row_i / max(mean(v_row), FLT_MIN)) · v_col_j``, fp32 (R, C). Divided
+    first: the ratio is at most R, so v̂ stays finite wherever the squares' sums do (the product
+    first overflowed from |g| ≈ 1e12 and stepped by 0)."""
+    return torch.outer(v_row / v_row.mean().clamp_min(FLT_MIN), v_col)
 
 
 def floored_second_moment(estimate: Tensor, square: Tensor, beta2: float) -> Tensor:
