@@ -966,6 +966,39 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("edits", "fragment"),
+    [
+        ({"differentiable": True}, "differentiable=True is not supported"),
+        ({"foreach": True, "lr": torch.tensor(1e-3)}, "a tensor lr with foreach=True needs"),
+    ],
+    ids=["differentiable", "foreach-tensor-lr"],
+)
+@pytest.mark.parametrize("later", [False, True])
+def test_adamw_options_its_step_refuses_together_fail_before_either_half_changes(
+    edits: dict[str, object], fragment: str, later: bool
+) -> None:
+    """torch's AdamW refuses these inside its step, after the Muon child had committed: a
+    half-applied step and a latched hybrid. The preflight now refuses them first."""
+    hybrid = _hybrid(_model(), "adamw")
+    if later:
+        _stepped(hybrid)
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    _set_grads(hybrid, 33)
+    before = _snapshot(hybrid)
+    good = {key: group[key] for key in edits}
+    group.update(edits)
+    _rejects(
+        hybrid, hybrid.step, ValueError, fragment, restore=lambda: group.update(good), before=before
+    )
+
+
+def test_a_differentiable_adamw_backup_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="AdamW backup group 0: differentiable=True is not"):
+        _hybrid(_model(), "adamw", backup_adamw_kwargs={"differentiable": True})
+
+
 def test_an_adamw_moment_of_another_shape_fails_before_either_half_changes() -> None:
     hybrid = _hybrid(_model(), "adamw")
     _stepped(hybrid)
