@@ -149,6 +149,47 @@ def test_a_change_between_steady_steps_is_rejected_before_anything_changes(
     rejects(optimizer, optimizer.step, error, message, restore=restore)
 
 
+_MISSING = object()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("step", 0, "'step' must be an int >= 1, got 0"),  # a torch-style warm restart
+        ("step", -1, "'step' must be an int >= 1, got -1"),
+        ("step", 2.5, "'step' must be an int >= 1, got 2.5"),
+        ("v_step", 100, "'v_step' must be an int with 0 <= v_step <= step, got 100"),
+        ("v_step", -1, "'v_step' must be an int with 0 <= v_step <= step, got -1"),
+        ("v_step", _MISSING, "missing key 'v_step'"),
+    ],
+)
+def test_an_edited_counter_is_refused_by_name_before_anything_changes(
+    fused: bool, key: str, value: object, message: str, rejects: Any
+) -> None:
+    """The step token and the entry match leave the counters' values out (the commit advances
+    them), so an edit between steady steps was taken: silently by the native kernel (a state
+    its own load refuses), or as an error from inside the eager commit, latched."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+    optimizer = Gefen(params, lr=1e-2, fused=fused)
+    _train(optimizer, params, range(3), lambda step: None)
+    entry = optimizer.state[params[0]]
+    good = entry[key]
+    if value is _MISSING:
+        del entry[key]
+    else:
+        entry[key] = value
+    _grads(params, 51)
+
+    def restore() -> None:
+        entry[key] = good
+
+    full = f"parameter param_groups[0][0]: state does not match parameter (entry: {message}"
+    rejects(optimizer, optimizer.state_dict, RuntimeError, full, check_training=False)
+    rejects(optimizer, optimizer.step, RuntimeError, full, restore=restore)
+
+
 def test_a_new_group_and_a_replaced_parameter_take_the_full_path() -> None:
     optimizer, params = _model()
     _train(optimizer, params, range(4), lambda step: None)

@@ -9,6 +9,7 @@ changes, and the optimizer must train normally afterwards.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -70,6 +71,23 @@ def test_a_transposed_parameter_between_steps_is_refused_before_any_write() -> N
     assert optimizer.global_step == 2
     param.data = original  # put the matrix back: the optimizer goes on as if nothing happened
     param.grad = torch.randn(16, 8)
+    _trains(optimizer, param)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, None])
+def test_an_edited_step_counter_is_refused_before_any_write(value: object) -> None:
+    """The counters' values are not in the step token (the commit advances them): ``step = -1``
+    was stored as 0 (a state its own load refuses), 2.5 taken as 3."""
+    optimizer, param = _stepped((16, 8))
+    optimizer.state[param]["step"] = value
+    param.grad = torch.randn(16, 8)
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    value_before = param.detach().clone()
+    with pytest.raises(RuntimeError, match=re.escape(f"'step' must be an int >= 1, got {value}")):
+        optimizer.step()
+    assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    assert torch.equal(value_before, param.detach())
+    optimizer.state[param]["step"] = 2
     _trains(optimizer, param)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
-from gefen.core.state import CodecKeys, entry_matches, is_initialized
+from gefen.core.state import CodecKeys, counters_fit, entry_matches, is_initialized
 from gefen.core.validation import local_tensor, parameter_label
 from gefen.dist.torch_internals import tensor_version
 
@@ -71,6 +71,8 @@ def entry_signature(
             values.append((key, id(value), value.shape, value.dtype))  # Size compares as tuple
         elif key != "step" and key != "v_step":
             values.append((key, value))
+        else:  # the commit advances the counters: their presence here, their values below
+            values.append((key,))
     codec = group.get("momentum_codec")
     identity = (id(param), id(group), id(entry), id(local), local.shape, param.dim(), codec)
     return (identity, tuple(values), _Held(tuple(held)))
@@ -89,7 +91,7 @@ def match_changed_entries(
             if entry is None or (entry.get("period", 0) == 0 and not is_initialized(entry)):
                 continue
             signature = entry_signature(group, param, entry)
-            if previous.get(id(param)) != signature:
+            if previous.get(id(param)) != signature or not counters_fit(entry):
                 # the codec first: an edited codec also changes the shapes the spec expects
                 reason = _codec_mismatch(entry, group, optimizer.CODEC_KEYS)
                 if reason is None:

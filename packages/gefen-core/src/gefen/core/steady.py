@@ -22,6 +22,8 @@ from typing import Any
 from torch import Tensor
 from torch.nn import Parameter
 
+from gefen.core.state import counters_fit
+
 __all__ = ["SteadyToken", "plain_parameters", "same_token", "step_token"]
 
 _PLAIN = (Tensor, Parameter)
@@ -36,7 +38,8 @@ def step_token(
     """The steady-state token of this step's inputs, or None (a DTensor or another tensor
     subclass is present: no fast path). Options compare by name and type (numbers and tensors)
     or value (flags, names); entries by identity, their tensors by identity, shape, dtype and
-    device, their other values but the counters by value."""
+    device, their other values but the counters by value (the counters by presence, and their
+    values by ``state.counters_fit``: an edited counter gets None, so the full checks name it)."""
     entries: dict[int, Any] = {}
     for param, entry in state.items():  # by id: a Tensor key would hash in Python every time
         entries[id(param)] = entry
@@ -78,6 +81,10 @@ def step_token(
                     key.append((name, id(value), value.shape, value.dtype, value.device))
                 elif name != "step" and name != "v_step":
                     key.append((name, value))
+                else:
+                    key.append(name)  # the commit advances the counters: their presence only
+            if not counters_fit(entry):
+                return None  # an edited counter: the full checks refuse it by name
     return tuple(key), held
 
 
