@@ -236,10 +236,11 @@ def build(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def release(session: nox.Session) -> None:
-    """``nox -s release -- <package> <major|minor|patch>`` (or ``-- --check``): tools/release.py,
-    with this interpreter (standard library only). Commits and tags; never pushes or uploads."""
+    """``nox -s release -- <package> <major|minor|patch|initial>`` (or ``-- --check``):
+    tools/release.py, with this interpreter (standard library only). Commits and tags; never
+    pushes or uploads."""
     if not session.posargs:
-        session.error("usage: nox -s release -- <package> <major|minor|patch> [--dry-run]")
+        session.error("usage: nox -s release -- <package> <major|minor|patch|initial> [--dry-run]")
     session.run(sys.executable, str(ROOT / "tools" / "release.py"), *session.posargs, external=True)
 
 

@@ -1,7 +1,8 @@
 """Release one Gefen distribution: bump, date the CHANGELOG, follow the ranges, record the set, tag.
 
 ``nox -s release -- <package> <major|minor|patch>`` runs ``python tools/release.py <package>
-<kind>``. In one commit it
+<kind>`` (``initial`` instead releases the version already in the tree, which its CHANGELOG
+holds as ``## <version> — unreleased``: no bump, and that section is dated). In one commit it
 
 1. bumps ``__version__`` in the package's version file (``[tool.hatch.version] path``);
 2. moves the CHANGELOG's ``## Unreleased`` body under ``## <version> — <YYYY-MM-DD>``, leaving an
@@ -53,7 +54,9 @@ from tools.release_rules import (
     check,
     compatible_range,
     date_changelog,
+    date_initial_changelog,
     discover,
+    initial_span,
     is_compatible_range,
     read_requirements,
     replace_requirement,
@@ -72,6 +75,7 @@ from tools.release_rules import sibling_requirements as sibling_requirements
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONSTRAINTS_DIR = "constraints"
+INITIAL = "initial"  # release the version in the tree, never released yet: no bump
 
 
 class ReleaseRefused(Exception):
@@ -208,8 +212,10 @@ def _refuse_unless_ready(
         raise ReleaseRefused(
             f"unknown package {package!r}: a release names one of {', '.join(packages)}"
         )
-    if kind not in KINDS:
-        raise ReleaseRefused(f"unknown kind {kind!r}: a release is one of {', '.join(KINDS)}")
+    if kind not in (*KINDS, INITIAL):
+        raise ReleaseRefused(
+            f"unknown kind {kind!r}: a release is one of {', '.join((*KINDS, INITIAL))}"
+        )
     inside = git(root, "rev-parse", "--is-inside-work-tree", check_rc=False)
     if inside.returncode != 0 or inside.stdout.strip() != "true":
         raise ReleaseRefused(f"{root} is not a git working tree: a release commits and tags")
@@ -269,27 +275,46 @@ def _follow_ranges(
     return updates
 
 
+def _initial_changelog(
+    root: pathlib.Path, released: Package, changelog: str, day: datetime.date
+) -> str:
+    """The CHANGELOG of the first release of the version in the tree, or a refusal: that
+    version must be written down as ``## <version> — unreleased`` (never released)."""
+    where = released.changelog.relative_to(root)
+    if initial_span(changelog, released.version) is None:
+        raise ReleaseRefused(
+            f"{where}: no '## {released.version} — unreleased' section: 'initial' releases the "
+            "version in the tree once, before any other release of it (use patch/minor/major)"
+        )
+    try:
+        return date_initial_changelog(changelog, released.version, day)
+    except ValueError as error:
+        raise ReleaseRefused(f"{where}: {error}") from error
+
+
 def plan_release(root: pathlib.Path, package: str, kind: str, day: datetime.date) -> Plan:
     """Every file the release writes, or :class:`ReleaseRefused` naming the rule that fails."""
     packages = discover(root)
     _refuse_unless_ready(root, packages, package, kind)
     released = packages[package]
-    version = bump(released.version, kind)
+    version = released.version if kind == INITIAL else bump(released.version, kind)
     tag = f"{package}-v{version}"
     if tag_exists(root, tag):
         raise ReleaseRefused(f"tag {tag} already exists: a version is released once")
     changelog = released.changelog.read_text(encoding="utf-8")
-    if not unreleased_body(changelog):
+    writes: dict[pathlib.Path, str] = {}
+    if kind == INITIAL:
+        writes[released.changelog] = _initial_changelog(root, released, changelog, day)
+    elif not unreleased_body(changelog):
         raise ReleaseRefused(
             f"{released.changelog.relative_to(root)}: the '## Unreleased' section is "
             f"{'missing' if unreleased_body(changelog) is None else 'empty'}: a release "
             "publishes at least one recorded change"
         )
-
-    writes: dict[pathlib.Path, str] = {
-        released.version_file: set_version(released.version_file.read_text("utf-8"), version),
-        released.changelog: date_changelog(changelog, version, day),
-    }
+    else:
+        old = released.version_file.read_text("utf-8")
+        writes[released.version_file] = set_version(old, version)
+        writes[released.changelog] = date_changelog(changelog, version, day)
     requirements = {name: p.requirements for name, p in packages.items()}
     updates = _follow_ranges(root, packages, package, version, writes, requirements)
     unpublished = unpublished_siblings(root, packages, requirements, package)
@@ -361,7 +386,12 @@ def describe(root: pathlib.Path, plan: Plan, *, applied: bool) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("package", nargs="?", help="the distribution, e.g. gefen-core")
-    parser.add_argument("kind", nargs="?", choices=KINDS, help="which version part moves")
+    parser.add_argument(
+        "kind",
+        nargs="?",
+        choices=(*KINDS, INITIAL),
+        help="which version part moves; 'initial' releases the version in the tree, unreleased",
+    )
     parser.add_argument("--check", action="store_true", help="only run the consistency rules")
     parser.add_argument("--dry-run", action="store_true", help="show the release, write nothing")
     parser.add_argument(
@@ -383,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(f"wrote {path.relative_to(root)}\n")
         return 0
     if args.package is None or args.kind is None:
-        parser.error("give <package> <major|minor|patch>, or --check")
+        parser.error("give <package> <major|minor|patch|initial>, or --check")
     try:
         plan = plan_release(root, args.package, args.kind, datetime.date.today())
     except ReleaseRefused as refused:

@@ -272,6 +272,40 @@ def unreleased_body(text: str) -> str | None:
     return text[start:end].split("\n", 1)[1].strip() if "\n" in text[start:end] else ""
 
 
+def initial_span(text: str, version: str) -> tuple[int, int] | None:
+    """(start of the heading line, end of its body) of ``## <version> — unreleased``: a first
+    version written down before it was ever released; None when there is none."""
+    headings = list(_HEADING.finditer(text))
+    for index, match in enumerate(headings):
+        words = match.group(1).split()
+        if len(words) > 1 and words[0] == version and words[-1].lower() == "unreleased":
+            end = headings[index + 1].start() if index + 1 < len(headings) else len(text)
+            return match.start(), end
+    return None
+
+
+def date_initial_changelog(text: str, version: str, day: datetime.date) -> str:
+    """The first release of the version in the tree: the ``## Unreleased`` body, then the body
+    of ``## <version> — unreleased``, move under ``## <version> — <day>``; Unreleased stays,
+    empty. The two sections must be adjacent (Unreleased first) or Unreleased absent."""
+    span = initial_span(text, version)
+    if span is None:
+        raise ValueError(f"no '## {version} — unreleased' section")
+    start, end = span
+    own = text[start:end].split("\n", 1)[1].strip() if "\n" in text[start:end] else ""
+    pending = _unreleased_span(text)
+    if pending is not None:
+        if pending[1] != start:
+            raise ValueError(f"'## Unreleased' must directly precede '## {version} — unreleased'")
+        start = pending[0]
+    body = "\n\n".join(part for part in (unreleased_body(text) or "", own) if part)
+    if not body:
+        raise ValueError(f"nothing recorded for {version}")
+    section = f"## Unreleased\n\n## {version} — {day.isoformat()}\n\n{body}\n"
+    rest = text[end:]
+    return text[:start] + section + ("\n" + rest if rest else "")
+
+
 def date_changelog(text: str, version: str, day: datetime.date) -> str:
     """The ``## Unreleased`` body moves under ``## <version> — <day>``; Unreleased stays, empty."""
     span = _unreleased_span(text)

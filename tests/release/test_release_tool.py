@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -77,6 +78,50 @@ def test_patch_release_bumps_dates_records_commits_and_tags(
     assert plan.range_updates == ()
     assert plan.dependants == ()
     assert tool.check(repo) == []
+
+
+def test_the_initial_release_publishes_the_version_in_the_tree_once(
+    tool: ModuleType,
+    repo: pathlib.Path,
+    run_git: Callable[..., str],
+    take_snapshot: Callable[[pathlib.Path], Any],
+) -> None:
+    """The first release of a distribution is the version its tree was written at (0.1.0, its
+    CHANGELOG's "## 0.1.0 — unreleased"): no bump, that section dated, Unreleased merged in."""
+    plan = tool.release(repo, "gefen-core", "initial", day=DAY)
+
+    assert (plan.old_version, plan.version, plan.tag) == ("0.1.0", "0.1.0", "gefen-core-v0.1.0")
+    assert '__version__ = "0.1.0"' in (repo / CORE_VERSION).read_text()
+    notes = (repo / CORE_CHANGELOG).read_text()
+    assert notes.endswith(
+        "## Unreleased\n\n## 0.1.0 — 2026-12-01\n\n"
+        "- gefen-core: a change waiting for its release.\n\n- First release.\n"
+    )
+    assert "unreleased\n" not in notes.lower().replace("## unreleased\n", "")
+    assert changed_in_head(run_git, repo) == {CORE_CHANGELOG, "constraints/2026-12-01.txt"}
+    assert run_git(repo, "tag", "--list") == "gefen-core-v0.1.0"
+    assert "gefen-core==0.1.0" in pins((repo / "constraints" / "2026-12-01.txt").read_text())
+    assert tool.check(repo) == []
+
+    before = take_snapshot(repo)  # once only
+    with pytest.raises(tool.ReleaseRefused, match="already exists: a version is released once"):
+        tool.release(repo, "gefen-core", "initial", day=DAY)
+    assert take_snapshot(repo) == before
+
+
+def test_the_initial_release_is_refused_for_a_version_already_dated(
+    tool: ModuleType,
+    repo: pathlib.Path,
+    take_snapshot: Callable[[pathlib.Path], Any],
+    commit: Callable[[pathlib.Path, str], None],
+) -> None:
+    notes = repo / "packages/gefen-muon/CHANGELOG.md"
+    notes.write_text(notes.read_text().replace("## 0.1.0 — unreleased", "## 0.1.0 — 2026-11-30"))
+    commit(repo, "0.1.0 was released elsewhere")
+    before = take_snapshot(repo)
+    with pytest.raises(tool.ReleaseRefused, match=re.escape("no '## 0.1.0 — unreleased' section")):
+        tool.release(repo, "gefen-muon", "initial", day=DAY)
+    assert take_snapshot(repo) == before
 
 
 def test_the_command_line_releases_as_the_nox_session_does(
