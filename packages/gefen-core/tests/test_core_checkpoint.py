@@ -641,3 +641,19 @@ def test_a_load_into_another_codec_names_the_codec(rejects, saved_codec: str, st
     sd = saved.state_dict()
     fragment = f"momentum_codec {saved_codec!r} differs from the live 'codebook4'"
     rejects(optimizer, lambda: optimizer.load_state_dict(sd), ValueError, fragment)
+
+
+@pytest.mark.parametrize("step", [2**63, 2**64])
+def test_a_global_step_beyond_64_bits_is_refused_by_name(step: int, rejects) -> None:
+    """Such a step loaded, then the stochastic-rounding seed (64 bits) raised inside the next
+    step's commit, and the optimizer latched."""
+    optimizer, _ = _trained(stochastic_round=True)
+    sd = optimizer.state_dict()
+    for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
+        extras["global_step"] = step
+    rejects(
+        optimizer,
+        lambda: optimizer.load_state_dict(sd),
+        ValueError,
+        f"Gefen checkpoint: global_step must be below 2**63, got {step}",
+    )

@@ -42,6 +42,7 @@ EXPECTED = {
     "check_flag": "gefen.core.options",
     "check_lr": "gefen.core.options",
     "check_optimizer_wide": "gefen.core.options",
+    "check_torch_flags": "gefen.core.options",
     "copy_containers": "gefen.core.transaction",
     "eager_advance_momentum_": "gefen.core.updaters",
     "every_rank_has_rows": "gefen.core.resharding",

@@ -83,6 +83,49 @@ def test_fused_false_never_compiles_and_none_falls_back_with_one_warning(monkeyp
     assert torch.equal(result, _run(fused=False, factored_v_2d=False))
 
 
+@pytest.mark.fused_default
+def test_a_failure_common_to_every_kernel_key_warns_once_per_optimizer(monkeypatch) -> None:
+    """Two kernel keys (the block and the factored family) failing for the same reason gave two
+    warnings and two log lines; one optimizer now warns once, and a new optimizer again."""
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])
+
+    def broken(key):
+        raise RuntimeError("no compiler on this machine")
+
+    unregister = register_fused(_registration("test-broken-everywhere", broken))
+    try:
+        for _ in range(2):  # each optimizer reports its own fallback
+            with pytest.warns(RuntimeWarning, match="failed to compile") as caught:
+                _run(fused=None)  # a (16, 8) matrix and a vector: two keys
+            assert len([w for w in caught if "failed to compile" in str(w.message)]) == 1
+    finally:
+        unregister()
+
+
+@pytest.mark.fused_default
+def test_a_candidate_that_fails_before_one_that_compiles_is_logged_once(
+    monkeypatch, caplog
+) -> None:
+    """The native kernel failing (a corrupt cache, say) left the CPU on inductor, several times
+    slower, with only an INFO line; it is now a warning, once per optimizer."""
+    monkeypatch.setattr(fused_module, "_REGISTRY", [])
+
+    def broken(key):
+        raise RuntimeError("cannot load the kernel")
+
+    unregister_working = register_fused(_registration("test-works", lambda key: eager_update_))
+    unregister_broken = register_fused(_registration("test-fails-first", broken))  # ahead of it
+    try:
+        with caplog.at_level("WARNING", logger="gefen.core"):
+            result = _run(fused=None)
+        lines = [r.getMessage() for r in caplog.records if "test-fails-first" in r.getMessage()]
+        assert lines == ["test-fails-first: cannot load the kernel; using test-works"]
+    finally:
+        unregister_working()
+        unregister_broken()
+    assert torch.equal(result, _run(fused=False))
+
+
 def test_fused_true_compile_failure_raises_before_anything_changes(monkeypatch, rejects) -> None:
     monkeypatch.setattr(fused_module, "_REGISTRY", [])
 

@@ -218,3 +218,50 @@ def test_an_unknown_choice_of_passes_is_refused_by_name() -> None:
     for kind in (NativeUpdater, NativeMomentum):
         with pytest.raises(ValueError, match="passes must be one of"):
             kind(passes="avx1024")
+
+
+_BUILD = (
+    "import logging; logging.basicConfig(level=logging.WARNING)\n"
+    "from gefen.core.native import build_library\n"
+    "build_library()\n"
+    "print('loaded')\n"
+)
+
+
+def _build_in(cache: Any) -> Any:
+    """``build_library()`` in a fresh process (a loaded library stays loaded in this one) with
+    the kernel cache at ``cache``."""
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, GEFEN_NATIVE_CACHE=str(cache))
+    command = [sys.executable, "-c", _BUILD]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_a_cached_kernel_that_does_not_load_is_rebuilt(tmp_path) -> None:
+    """An empty or truncated file in the cache (a full disk) was trusted for good: every later
+    process failed to load it and ran the step on inductor, several times slower."""
+    cache = tmp_path / "cache"
+    first = _build_in(cache)
+    assert first.returncode == 0, first.stderr
+    (built,) = cache.glob("gefen_update-*.so")
+    built.write_bytes(b"")
+    second = _build_in(cache)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == "loaded"
+    assert "does not load" in second.stderr
+    assert built.stat().st_size > 0  # rebuilt in place: the next process loads it as it is
+    third = _build_in(cache)
+    assert third.returncode == 0, third.stderr
+    assert "does not load" not in third.stderr
+
+
+def test_an_unusable_cache_directory_gives_way_to_one_of_the_process(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # the cache path runs through a file: nothing can be written there
+    done = _build_in(blocker / "cache")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "loaded"
+    assert "native kernel cache unusable" in done.stderr

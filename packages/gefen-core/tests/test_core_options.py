@@ -397,3 +397,23 @@ def test_values_that_are_not_finite_reals_are_refused_by_name(bad: str) -> None:
         Gefen(_params(), lr=value)
     with pytest.raises(ValueError, match="Invalid weight_decay value"):
         Gefen(_params(), weight_decay=value)
+
+
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad", "capturable", "differentiable"])
+def test_a_torch_flag_set_in_a_group_is_refused_by_name_not_ignored(flag: str, rejects) -> None:
+    """The constructor refuses ``maximize=True`` (no such keyword); the same flag in a group dict
+    was accepted and ignored, so a ``maximize`` group still descended."""
+    message = f"{flag}=True is not supported"
+    with pytest.raises(ValueError, match=message):
+        Gefen([{"params": _params(), flag: True}])
+    params = _params()
+    optimizer = Gefen([{"params": params[:1], flag: False}])  # torch's off value is fine
+    params[0].grad = torch.randn_like(params[0])
+    optimizer.step()
+    group = optimizer.param_groups[0]
+    group[flag] = True  # written later: refused by the step's option check
+    params[0].grad = torch.randn_like(params[0])
+    rejects(optimizer, optimizer.step, ValueError, message, restore=lambda: group.pop(flag))
+    added = {"params": params[1:], flag: True}
+    rejects(optimizer, lambda: optimizer.add_param_group(added), ValueError, message)
+    assert len(optimizer.param_groups) == 1

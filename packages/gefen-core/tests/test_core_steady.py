@@ -149,6 +149,20 @@ def test_a_change_between_steady_steps_is_rejected_before_anything_changes(
     rejects(optimizer, optimizer.step, error, message, restore=restore)
 
 
+def test_a_list_option_edited_in_place_is_checked_again(rejects: Any) -> None:
+    """``group["betas"][1] = nan`` edits the list the last check saw: the options token held
+    the list itself, so it still compared equal, the step skipped the check and wrote NaN."""
+    optimizer, params = _model()
+    betas = [0.9, 0.999]
+    optimizer.param_groups[0]["betas"] = betas
+    _train(optimizer, params, range(3), lambda step: None)
+    betas[1] = float("nan")
+    _grads(params, 52)
+    rejects(
+        optimizer, optimizer.step, ValueError, "beta", restore=lambda: betas.__setitem__(1, 0.999)
+    )
+
+
 _MISSING = object()
 
 

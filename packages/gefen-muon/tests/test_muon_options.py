@@ -681,3 +681,25 @@ def test_a_numpy_bool_is_not_a_momentum() -> None:
 
     with pytest.raises(ValueError, match="Invalid momentum value"):
         GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], momentum=np.bool_(False))
+
+
+@pytest.mark.parametrize("flag", ["maximize", "capturable", "differentiable"])
+def test_a_torch_flag_set_in_a_group_is_refused_by_name_not_ignored(flag: str) -> None:
+    message = f"{flag}=True is not supported"
+    with pytest.raises(ValueError, match=message):
+        GefenMuon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], flag: True}])
+    param = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer = GefenMuon([param])
+    param.grad = torch.randn(4, 4)
+    optimizer.step()
+    optimizer.param_groups[0][flag] = True
+    param.grad = torch.randn(4, 4)
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    value = param.detach().clone()
+    with pytest.raises(ValueError, match=message):
+        optimizer.step()
+    assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    assert torch.equal(value, param.detach())
+    del optimizer.param_groups[0][flag]
+    optimizer.step()
+    assert not torch.equal(value, param.detach())

@@ -29,14 +29,16 @@ __all__ = [
 
 
 def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What identifies a group's option values: type and value, or a tensor's identity and
-    version (an LR scheduler's ``fill_`` bumps it)."""
+    """What identifies a group's option values: type and value (a list's items, copied), or a
+    tensor's identity and version (an LR scheduler's ``fill_`` bumps it)."""
     token: list[tuple[Any, ...]] = []
     for name, value in group.items():  # a loop, not a generator: this runs every step
         if name == "params" or name == "param_names":
             continue
         if isinstance(value, Tensor):
             token.append((name, type(value), id(value), tensor_version(value)))
+        elif type(value) is list:  # a copy: ``group["betas"][1] = nan`` edits the list itself
+            token.append((name, list, tuple(value)))
         else:
             token.append((name, type(value), value))
     return tuple(token)

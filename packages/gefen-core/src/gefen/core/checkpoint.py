@@ -57,10 +57,8 @@ def check_checkpoint_binding(
     if checkpoint_binding is None:
         return
     if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
-        raise TypeError(
-            "checkpoint_binding must be a CheckpointProcessGroupBinding, got "
-            f"{type(checkpoint_binding).__name__}"
-        )
+        kind = type(checkpoint_binding).__name__
+        raise TypeError(f"checkpoint_binding must be a CheckpointProcessGroupBinding, got {kind}")
     if installed is None:
         raise BindingError("no codebook binding is installed")
     if (
@@ -240,6 +238,8 @@ class _Loader:
         step = extras["global_step"]
         if type(step) is not int or step < 0:
             raise self.reject(f"global_step must be an int >= 0, got {step!r}")
+        if step >= 2**63:  # the step header's words and the stochastic-rounding seed: 64 bits
+            raise self.reject(f"global_step must be below 2**63, got {step}")
         live = self.optimizer.defaults
         if (
             type(extras["deterministic"]) is not bool

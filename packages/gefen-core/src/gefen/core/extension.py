@@ -19,6 +19,7 @@ built on the shell uses the same list. Names are grouped by what they are for:
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
+  ``check_torch_flags``,
   ``group_uses_codebook``, ``group_codecs`` (a group's own ``momentum_codec``),
   ``check_group_codec``, ``codes_per_byte``, ``variant_prefix``, ``CODEBOOK_CODECS``,
   ``VARIANT_PREFIX`` (codebook8 and codebook4), ``lr_value``, ``real_value``,
@@ -47,6 +48,7 @@ from gefen.core.options import (
     check_group_codec,
     check_lr,
     check_optimizer_wide,
+    check_torch_flags,
     codes_per_byte,
     group_codecs,
     group_uses_codebook,
@@ -102,6 +104,7 @@ __all__ = [
     "check_group_codec",
     "check_lr",
     "check_optimizer_wide",
+    "check_torch_flags",
     "codes_per_byte",
     "copy_containers",
     "eager_advance_momentum_",

@@ -166,6 +166,7 @@ class KernelSelector:
 
     def __init__(self) -> None:
         self._selected: dict[tuple[KernelKey, bool | None, bool], Updater | None] = {}
+        self._reported: set[str] = set()  # each failure once per optimizer, not once per key
 
     def select(self, key: KernelKey, *, fused: bool | None, deterministic: bool) -> Updater | None:
         fused = resolve_default(fused)
@@ -184,26 +185,36 @@ class KernelSelector:
         self._selected[cache_key] = kernel
         return kernel
 
-    @staticmethod
     def _first_that_compiles(
-        candidates: list[FusedImplementation], key: KernelKey, fused: bool | None
+        self, candidates: list[FusedImplementation], key: KernelKey, fused: bool | None
     ) -> Updater | None:
         """The first candidate that compiles; when none does, ``fused=True`` raises and
-        ``fused=None`` warns once and takes the eager path."""
+        ``fused=None`` warns and takes the eager path. Failures before one that compiles are
+        logged as a warning (the native kernel failing leaves the CPU on inductor, several times
+        slower). Each is reported once per optimizer, not once per kernel key."""
         failures: list[str] = []
         for implementation in candidates:
             try:
-                return implementation.compile(key)
+                kernel = implementation.compile(key)
             except Exception as error:
                 failures.append(f"{implementation.name}: {error}")
-                logger.info("fused implementation %s failed: %s", implementation.name, error)
+                continue
+            if failures and self._first_report("; ".join(failures)):
+                logger.warning("%s; using %s", "; ".join(failures), implementation.name)
+            return kernel
         reasons = "; ".join(failures)
         if fused:
             raise RuntimeError(f"fused implementation failed to compile for {key}: {reasons}")
-        warnings.warn(
-            f"fused implementation failed to compile for {key}; using the eager path ({reasons})",
-            RuntimeWarning,
-            stacklevel=5,
-        )
-        logger.warning("no fused implementation compiled for %s: %s", key, reasons)
+        if self._first_report(reasons):
+            warnings.warn(
+                f"fused implementation failed to compile (first for {key}); using the eager path "
+                f"({reasons})",
+                RuntimeWarning,
+                stacklevel=5,
+            )
         return None
+
+    def _first_report(self, reasons: str) -> bool:
+        new = reasons not in self._reported
+        self._reported.add(reasons)
+        return new

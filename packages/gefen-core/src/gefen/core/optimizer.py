@@ -22,6 +22,7 @@ from gefen.core.options import (
     check_betas,
     check_group_codec,
     check_optimizer_wide,
+    check_torch_flags,
     codes_per_byte,
     group_uses_codebook,
     validate_gefen_options,
@@ -178,6 +179,7 @@ class Gefen(OptimizerShell):
 
     def validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
+        check_torch_flags(group)
         validate_gefen_options(group)
         others = self.__dict__.get("param_groups") or []
         check_group_codec(group, others, self.__dict__.get("_codebook"), self.OWNER_NAME)

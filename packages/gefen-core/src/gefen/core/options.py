@@ -20,12 +20,14 @@ __all__ = [
     "GEFEN_FLAGS",
     "GEFEN_GROUP_OPTIONS",
     "GEFEN_OPTIMIZER_WIDE",
+    "TORCH_ONLY_FLAGS",
     "VARIANT_PREFIX",
     "check_betas",
     "check_flag",
     "check_group_codec",
     "check_lr",
     "check_optimizer_wide",
+    "check_torch_flags",
     "codebook_size",
     "codes_per_byte",
     "group_codecs",
@@ -218,6 +220,22 @@ def validate_gefen_options(options: Mapping[str, Any], *, constructor: bool = Fa
     fused = options["fused"]
     if fused is not None and type(fused) is not bool:
         raise TypeError(f"fused must be None, True or False, got {fused!r}")
+
+
+TORCH_ONLY_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable")
+"""torch.optim flags the Gefen optimizers do not implement: set in a group, it was ignored."""
+
+
+def check_torch_flags(group: Mapping[str, Any]) -> None:
+    """A group that sets one of ``TORCH_ONLY_FLAGS`` (anything but absent, None or False) is
+    refused by name: the step would silently run without it (``maximize=True`` descends)."""
+    for name in TORCH_ONLY_FLAGS:
+        value = group.get(name)
+        if value is not None and value is not False:
+            raise ValueError(
+                f"{name}={value!r} is not supported: a torch.optim flag this optimizer does not "
+                "implement (remove it from the param group)"
+            )
 
 
 def check_optimizer_wide(

@@ -25,6 +25,7 @@ from gefen.core.extension import (
     allocate_entry,
     check_group_codec,
     check_optimizer_wide,
+    check_torch_flags,
     codes_per_byte,
     eager_advance_momentum_,
     group_uses_codebook,
@@ -164,6 +165,7 @@ class GefenMuon(OptimizerShell):
 
     def validate_group(self, group: Mapping[str, Any]) -> None:
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
+        check_torch_flags(group)
         validate_muon_options(group)
         others = self.__dict__.get("param_groups") or []
         check_group_codec(group, others, self.__dict__.get("_codebook"), self.OWNER_NAME)

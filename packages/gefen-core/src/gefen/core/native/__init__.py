@@ -134,19 +134,34 @@ def _compile(target: pathlib.Path) -> None:
         raise RuntimeError(f"building the native kernel failed: {result.stderr.strip()[-500:]}")
 
 
+def _load(target: pathlib.Path) -> ctypes.CDLL:
+    """The library at ``target``, built when missing, and rebuilt when a cached file does not
+    load (truncated by a full disk, another toolchain's): a bad file is never trusted again."""
+    if target.exists():
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as error:
+            logger.warning("cached native kernel %s does not load (%s): rebuilding", target, error)
+    logger.info("building the native Gefen kernel into %s", target)
+    _compile(target)
+    return ctypes.CDLL(str(target))
+
+
 def build_library() -> ctypes.CDLL:
-    """The loaded kernel library, compiled into the cache on first use; raises on failure."""
+    """The loaded kernel library, compiled into the cache on first use (into a directory of
+    this process's own where the cache cannot be written); raises on failure."""
     global _LIBRARY
     with _LOCK:
         if _LIBRARY is not None:
             return _LIBRARY
         sources = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
-        digest = hashlib.sha256(sources).hexdigest()[:16]
-        target = _cache_dir() / f"gefen_update-{digest}-{_machine_key()}.so"
-        if not target.exists():
-            logger.info("building the native Gefen kernel into %s", target)
-            _compile(target)
-        library = ctypes.CDLL(str(target))
+        name = f"gefen_update-{hashlib.sha256(sources).hexdigest()[:16]}-{_machine_key()}.so"
+        try:
+            library = _load(_cache_dir() / name)
+        except OSError as error:  # not writable, a file in its path, a bad file kept anyway
+            scratch = pathlib.Path(tempfile.mkdtemp(prefix="gefen-native-"))
+            logger.warning("native kernel cache unusable (%s): building into %s", error, scratch)
+            library = _load(scratch / name)
         function = library.gefen_update_codebook8
         function.restype = ctypes.c_int
         function.argtypes = [
