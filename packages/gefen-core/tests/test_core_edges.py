@@ -179,3 +179,30 @@ def test_a_large_finite_gradient_does_not_freeze_a_factored_parameter(kind: torc
         assert moved[1] > 0.5e-2, (fused, moved)  # the spike's step is an Adam-sized one
         assert all(m > 0 for m in moved[2:]), (fused, moved)  # and the parameter goes on moving
     assert moves[False][1] == pytest.approx(moves[True][1], rel=1e-3)
+
+
+def test_a_parameter_whose_elements_share_memory_is_refused_before_anything_changes(
+    rejects,
+) -> None:
+    """An ``expand()``ed view passed every check, then the commit's in-place write failed after
+    the earlier parameters and the codebook were written: a latched optimizer. It is refused at
+    registration, and (swapped in later through ``.data``) by the step's checks."""
+    shared = torch.zeros(1, 24).expand(16, 24)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\[1\]: its elements share memory"):
+        Gefen([torch.nn.Parameter(torch.randn(8)), shared.requires_grad_()])
+    first, second = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(16, 24))
+    optimizer = Gefen([first, second], fused=False)
+    for _ in range(2):  # the steady path too
+        first.grad, second.grad = torch.randn(8), torch.randn(16, 24)
+        optimizer.step()
+    own = second.data
+    second.data = torch.randn(1, 24).expand(16, 24)
+    first.grad, second.grad = torch.randn(8), torch.randn(16, 24)
+
+    def restore() -> None:
+        second.data = own
+
+    rejects(
+        optimizer, optimizer.step, RuntimeError,
+        "parameter param_groups[0][1]: its elements share memory", restore=restore,
+    )  # fmt: skip

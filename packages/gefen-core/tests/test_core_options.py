@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -187,6 +188,28 @@ def test_non_leaf_rejected() -> None:
     leaf = torch.ones(3, requires_grad=True)
     with pytest.raises(ValueError, match="non-leaf"):
         Gefen([leaf * 2])
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "rule"),
+    [
+        (lambda: torch.zeros(3, dtype=torch.int64), ValueError, "parameters must be float16"),
+        (lambda: torch.zeros(3, dtype=torch.complex64, requires_grad=True), ValueError, "complex"),
+        (lambda: torch.ones(3, requires_grad=True) * 2, ValueError, "can't optimize a non-leaf"),
+        (lambda: "weight", TypeError, "optimizer can only optimize Tensors"),
+    ],
+    ids=["int", "complex", "non-leaf", "not-a-tensor"],
+)
+def test_a_refused_parameter_is_named_in_the_message(bad, error, rule, rejects) -> None:
+    """§2.3: a message names the parameter, by its name where the group has names."""
+    with pytest.raises(error, match=re.escape(f"parameter param_groups[0][1]: {rule}")):
+        Gefen([torch.nn.Parameter(torch.zeros(2)), bad()])
+    with pytest.raises(error, match=re.escape(f"parameter 'head.weight': {rule}")):
+        Gefen([("body.weight", torch.nn.Parameter(torch.zeros(2))), ("head.weight", bad())])
+    optimizer = Gefen(_params())
+    added = {"params": [torch.nn.Parameter(torch.zeros(2)), bad()]}
+    fragment = f"parameter param_groups[1][1]: {rule}"  # the index the group would take
+    rejects(optimizer, lambda: optimizer.add_param_group(added), error, fragment)
 
 
 def test_duplicate_tensor_warned_in_one_group_and_rejected_across_groups(rejects) -> None:

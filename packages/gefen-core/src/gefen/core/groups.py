@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from gefen.core.options import check_optimizer_wide
-from gefen.core.validation import SUPPORTED_DTYPES
+from gefen.core.validation import OVERLAP_RULE, SUPPORTED_DTYPES, local_tensor, overlaps_itself
 
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
@@ -39,12 +39,17 @@ def check_param_tensor(param: object) -> Tensor:
         raise ValueError(
             f"parameters must be float16, bfloat16, float32 or float64, got {param.dtype}"
         )
+    if overlaps_itself(local_tensor(param)):
+        raise ValueError(OVERLAP_RULE)
     return param
 
 
-def normalised_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+def normalised_group(
+    param_group: Mapping[str, Any], defaults: Mapping[str, Any], index: int = 0
+) -> dict[str, Any]:
     """A copy of ``param_group`` as torch registers it: params listed (names split off), each
-    a leaf floating tensor, defaults filled in, betas a tuple; raises as torch does."""
+    a leaf floating tensor, defaults filled in, betas a tuple; raises as torch does, naming the
+    parameter (its name, else ``param_groups[index][i]``)."""
     params = param_group["params"]
     if isinstance(params, Tensor):
         listed: list[Any] = [params]
@@ -58,7 +63,14 @@ def normalised_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]
     names = [item[0] for item in listed if isinstance(item, tuple)]
     tensors = [item[1] if isinstance(item, tuple) else item for item in listed]
     candidate = dict(param_group)
-    candidate["params"] = [check_param_tensor(param) for param in tensors]
+    for position, param in enumerate(tensors):
+        try:
+            check_param_tensor(param)
+        except (TypeError, ValueError) as error:
+            named = len(names) == len(tensors)
+            label = repr(names[position]) if named else f"param_groups[{index}][{position}]"
+            raise type(error)(f"parameter {label}: {error}") from None
+    candidate["params"] = tensors
     if names:
         if len(names) != len(tensors):
             raise ValueError(
@@ -102,6 +114,6 @@ def checked_new_group(
             f"{optimizer.OWNER_NAME} is finalized by post_sharding: add_param_group is refused"
         )
     check_optimizer_wide(param_group, optimizer.defaults, optimizer.OPTIMIZER_WIDE)
-    candidate = normalised_group(param_group, optimizer.defaults)
+    candidate = normalised_group(param_group, optimizer.defaults, len(optimizer.param_groups))
     check_membership(candidate, optimizer.param_groups)
     return candidate

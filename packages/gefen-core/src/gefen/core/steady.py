@@ -68,7 +68,8 @@ def step_token(
             if type(param) not in _PLAIN or (grad is not None and type(grad) is not Tensor):
                 return None
             held.append(param)
-            key.append((id(param), param.dtype, param.shape, param.device))
+            # the strides too: a ``.data`` swapped for an expand()ed view keeps the shape
+            key.append((id(param), param.dtype, param.shape, param.stride(), param.device))
             key.append(None if grad is None else (grad.dtype, grad.shape, grad.device, grad.layout))
             entry = entries.get(id(param))
             key.append(None if entry is None else id(entry))

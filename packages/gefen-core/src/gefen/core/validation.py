@@ -16,18 +16,24 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "OVERLAP_RULE",
     "SUPPORTED_DTYPES",
     "GradientReduction",
     "NonFiniteGradientError",
     "amp_scaling_supported",
     "check_finite_gradients",
     "iter_parameters",
+    "overlaps_itself",
     "parameter_label",
     "validate_gradient_structure",
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Parameter dtypes every Gefen optimizer accepts (docs/core.md §2.3)."""
+OVERLAP_RULE = (
+    "its elements share memory (an expand()ed or as_strided view), which the step cannot write "
+    "in place; give the parameter memory of its own (e.g. .clone())"
+)
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -111,6 +117,20 @@ def _check_geometry(label: str, param: Tensor, grad: Tensor) -> None:
         )
 
 
+def overlaps_itself(tensor: Tensor) -> bool:
+    """Whether two elements of ``tensor`` may share memory (an ``expand()``ed view: a stride 0
+    over a dimension longer than 1, or strides too small for the sizes): the step's in-place
+    write to such a parameter fails half-way, after earlier parameters were written."""
+    extent = 1  # the span the dimensions seen so far cover, in elements
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz > 1
+    ):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
+
+
 def _check_parameter(label: str, param: Tensor, owner: str, require_2d: bool) -> None:
     if require_2d and param.dim() != 2:
         raise ValueError(
@@ -125,6 +145,8 @@ def _check_parameter(label: str, param: Tensor, owner: str, require_2d: bool) ->
         )
     if local_tensor(param).device.type == "meta":
         raise RuntimeError(f"parameter {label} must be materialized (it is on the meta device)")
+    if overlaps_itself(local_tensor(param)):
+        raise RuntimeError(f"parameter {label}: {OVERLAP_RULE}")
 
 
 def validate_gradient_structure(
