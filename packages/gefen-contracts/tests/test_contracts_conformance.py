@@ -186,6 +186,20 @@ class TestCheckStateDict:
             "vector",
         )
 
+    @pytest.mark.parametrize("name", ["ndims", "sharded_modes", "roles", "parameter_layouts"])
+    def test_a_filter_that_is_not_a_mapping_is_refused_by_name(
+        self, contract: OptimizerContract, name: str
+    ) -> None:
+        """``ndims=[1]`` raised a bare AttributeError from inside the check."""
+        with pytest.raises(
+            ContractTypeError, match=rf"^check_state_dict\.{name} must be a mapping of state keys"
+        ):
+            check_state_dict(contract, plain_state_dict(), **{name: [1]})
+
+    def test_a_type_error_names_the_type_with_its_article(self) -> None:
+        with pytest.raises(ContractTypeError, match=r"contract must be an OptimizerContract, got"):
+            check_state_dict("not a contract", plain_state_dict())  # type: ignore[arg-type]
+
     def test_missing_required_common_field(self, contract: OptimizerContract) -> None:
         state_dict = plain_state_dict()
         del state_dict["codebook"]

@@ -98,7 +98,8 @@ def check_enum(location: str, value: object, enum_type: type[E]) -> E:
 
 def check_exact(location: str, value: object, value_type: type[T]) -> T:
     if type(value) is not value_type:
-        raise type_error(location, f"a {value_type.__name__}", value)
+        name = value_type.__name__
+        raise type_error(location, f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}", value)
     return value
 
 

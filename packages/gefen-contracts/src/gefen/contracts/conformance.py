@@ -171,6 +171,11 @@ def check_state_dict(
     mappings are keyed the same way.
     """
     check_exact("check_state_dict.contract", contract, OptimizerContract)
+    named = {"ndims": ndims, "sharded_modes": sharded_modes, "roles": roles}
+    named["parameter_layouts"] = parameter_layouts
+    for name, mapping in named.items():
+        if mapping is not None and not isinstance(mapping, Mapping):
+            raise type_error(f"check_state_dict.{name}", "a mapping of state keys", mapping)
     filters = _EntryFilters(ndims, sharded_modes, roles, parameter_layouts)
     result: dict[object, tuple[str, ...]] = {}
     _check_optimizer(contract, state_dict, "state_dict", "", filters, result)
