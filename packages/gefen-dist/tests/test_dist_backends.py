@@ -122,6 +122,22 @@ def test_collective_runs_without_grad_and_keeps_the_function() -> None:
     assert torch.is_grad_enabled()
     assert grad_enabled(leaf) is False
     assert grad_enabled.__name__ == "grad_enabled"
-    # torch.compile must not trace a vote: the function is marked dynamo-disabled.
-    assert getattr(grad_enabled, "_torchdynamo_disable", False) is True
     assert gefen.dist.collective is collective
+
+
+def test_a_collective_runs_eagerly_inside_a_compiled_region() -> None:
+    """torch.compile must not trace a vote (the graph would bake in one rank's branch): inside a
+    compiled region the function runs eagerly, where ``is_compiling()`` reads False (Dynamo
+    would read it as True while tracing)."""
+    seen: list[bool] = []
+
+    @collective
+    def vote(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    compiled = torch.compile(lambda x: vote(x) * 2, backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 4.0))
+    assert seen == [False]
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 4.0))
+    assert seen == [False, False]

@@ -27,6 +27,7 @@ from gefen.dist import (
 from gefen.dist.torch_internals import (
     HOOK_REGISTRIES,
     fresh_hook_registries,
+    lazily_disable_dynamo,
     set_grad_enabled,
     step_post_hooks,
     step_pre_hooks,
@@ -169,7 +170,7 @@ STEP_SIGNATURE = inspect.Signature(
 """What ``step(*args, **kwargs)`` accepts: ``step(closure=None)``, as ``torch.optim``."""
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+@lazily_disable_dynamo
 def run_step(
     optimizer: StepParticipant, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]
 ) -> Any:

@@ -12,6 +12,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from gefen.dist.torch_internals import lazily_disable_dynamo
+
 __all__ = ["collective", "cuda_graph_capturing", "distributed_ready"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -24,7 +26,7 @@ def collective(fn: F) -> F:
     vote (the graph would bake in one rank's branch), so every collective-issuing function of the
     project goes through this one decorator. The ``cast`` keeps the signature for mypy.
     """
-    return cast(F, torch.compiler.disable(torch.no_grad()(fn)))  # type: ignore[no-untyped-call]
+    return cast(F, lazily_disable_dynamo(torch.no_grad()(fn)))
 
 
 def distributed_ready() -> bool:

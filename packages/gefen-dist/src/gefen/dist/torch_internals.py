@@ -10,6 +10,7 @@ is the one place to change. ``TORCH_INTERNALS`` lists them for the project's lin
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from itertools import chain
 from typing import Any
 
 import torch
+from torch._compile import _disable_dynamo
 from torch.optim import optimizer as torch_optimizer
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "foreach_mul_",
     "fresh_hook_registries",
     "instance_hooks",
+    "lazily_disable_dynamo",
     "run_load_post_hooks",
     "set_grad_enabled",
     "state_dict_with_hooks",
@@ -54,8 +57,27 @@ TORCH_INTERNALS = (
     "_dynamo",
     "_C",
     "_set_grad_enabled",
+    "_compile",
+    "_disable_dynamo",
 )
 """Every torch private name this module reads; the lint test allows them here only."""
+
+
+def lazily_disable_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)`` without importing Dynamo (about 1.5 s at every process
+    start, on every rank) unless a compiled region calls ``fn``: outside one ``fn`` runs as it
+    is, inside one (Dynamo reads ``is_compiling()`` as True while tracing) the disabled ``fn``
+    runs, through the lazy helper torch's own ``Optimizer`` methods use."""
+    disabled = _disable_dynamo(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
 
 _HOOK_KINDS = {
     "step_pre": "_optimizer_step_pre_hooks",
