@@ -68,6 +68,67 @@ def test_a_hung_rank_times_out_naming_the_rank_and_its_mark() -> None:
     assert elapsed < deadline_s + 10.0
 
 
+def ignore_sigterm_and_sleep(rank: int, world_size: int) -> str:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mark("ignoring SIGTERM")
+    while True:
+        time.sleep(1)
+
+
+@gloo_required()
+@pytest.mark.multirank
+def test_ranks_that_ignore_sigterm_are_killed_within_one_grace_period() -> None:
+    """The harness waited 5 s per rank, one after another, before killing: a world of 3 that
+    ignores SIGTERM overran the documented bound (deadline + 10 s) by 5 s."""
+    for deadline_s in (15.0, 30.0, 60.0):
+        start = time.monotonic()
+        with pytest.raises(RankTimeout) as caught:
+            run_ranks(
+                ignore_sigterm_and_sleep, 3, backend="gloo", rendezvous="tcp",
+                rank_deadline_s=deadline_s, pg_timeout_s=deadline_s / 2,
+            )  # fmt: skip
+        elapsed = time.monotonic() - start
+        marked = [f"rank {r} (last mark 'ignoring SIGTERM')" in str(caught.value) for r in range(3)]
+        if all(marked):
+            break  # every rank had installed its handler: the case under test
+    assert all(marked)
+    assert elapsed < deadline_s + 10.0
+
+
+def test_a_rank_that_fails_to_start_is_the_error_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed ``start()`` was hidden behind "can only join a started process"."""
+    import multiprocessing.context
+
+    original = multiprocessing.context.SpawnProcess.start
+
+    def start(process: object) -> None:
+        if getattr(process, "name", "") == "gefen-rank-1":
+            raise OSError("no more processes")
+        original(process)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="no more processes"):
+        run_ranks(sleep_forever_on_rank_one, 2, rank_deadline_s=30.0, pg_timeout_s=10.0)
+
+
+def test_refused_arguments_create_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused worker or rendezvous left an empty ``gefen-ranks-*`` directory behind."""
+    import gefen.dist.testing.harness as harness
+
+    def no_directory(*args: object, **kwargs: object) -> str:
+        raise AssertionError("a directory was created before the arguments were checked")
+
+    monkeypatch.setattr(harness.tempfile, "mkdtemp", no_directory)
+    with pytest.raises(TypeError, match="module-level"):
+        run_ranks(lambda rank, world_size: None, 2)
+    with pytest.raises(ValueError, match="rendezvous"):
+        run_ranks(sleep_forever_on_rank_one, 2, rendezvous="udp")
+
+
 def test_deadlines_must_nest() -> None:
     with pytest.raises(ValueError, match="nest"):
         run_ranks(sleep_forever_on_rank_one, 2, rank_deadline_s=10.0, pg_timeout_s=20.0)

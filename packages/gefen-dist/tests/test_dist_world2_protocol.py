@@ -165,6 +165,30 @@ def scenario_vote_messages(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+def scenario_agreement_misuse(rank: int, world_size: int) -> dict[str, Any]:
+    scope = collect_failure_scope(sharded_optimizer(cpu_mesh()).param_groups)
+    operation = GuardedOperation("Gefen", scope=scope)
+
+    def agreeing(words: Any) -> dict[str, Any]:
+        return outcome(
+            lambda: operation.local_agreeing(PHASE_STEP_PREFLIGHT, "presence", lambda: (1, words))
+        )
+
+    mark("agreement words of another width, out of int64, a float; a vote with none")
+    return {
+        "three_words": agreeing((rank, rank, rank)),
+        "too_big": agreeing((2**63 + 5, 0) if rank == 0 else (0, 0)),
+        "int64_min": agreeing((-(2**63), 0) if rank == 0 else (0, 0)),
+        "float": agreeing((0.5, 0) if rank == 0 else (0, 0)),
+        "one_without": (
+            agreeing((7, 1))
+            if rank == 0
+            else outcome(lambda: operation.local(PHASE_STEP_PREFLIGHT, lambda: 1))
+        ),
+        "after": agreeing((3, 1)),  # the group is still usable
+    }
+
+
 def scenario_any_true_over(rank: int, world_size: int) -> dict[str, Any]:
     scope = collect_failure_scope(sharded_optimizer(cpu_mesh()).param_groups)
     return {
@@ -392,6 +416,7 @@ SCENARIOS = [
     ("vote_rank0_failure", scenario_vote_rank0_failure, ()),
     ("vote_messages", scenario_vote_messages, ()),
     ("any_true_over", scenario_any_true_over, ()),
+    ("agreement_misuse", scenario_agreement_misuse, ()),
     ("scope_one_mesh", scenario_scope_one_mesh, ()),
     ("amp_disagreements", scenario_amp_disagreements, ()),
     ("amp_agreements", scenario_amp_agreements, ()),
@@ -446,6 +471,29 @@ def test_vote_messages(world: ScenarioWorld) -> None:
             f"Gefen step preflight failed on local rank {rank}: cause of rank {rank}"
         )
         assert result["nobody_fails"]["error"] is None
+
+
+def test_agreement_words_that_break_the_rules_fail_every_member_by_name(
+    world: ScenarioWorld,
+) -> None:
+    """Words of another width were replaced by zeros (every member "agreed"); a word out of
+    int64 raised outside the vote on one rank and left the other waiting for the timeout; a
+    float was truncated; a vote with words against one without aborted a peer (sizes differ)."""
+    rule = "agreement 'presence' needs 2 int words, each strictly between -2**63 and 2**63"
+    for rank, result in enumerate(world["agreement_misuse"]):
+        assert result["three_words"]["error"] == (
+            f"Gefen step preflight failed on local rank {rank}: {rule}, got {(rank,) * 3!r}"
+        )
+        for case in ("too_big", "int64_min", "float"):
+            expected = (
+                f"Gefen step preflight failed on local rank 0: {rule}"
+                if rank == 0
+                else "Gefen step preflight failed on another process-group member"
+            )
+            assert result[case]["error"].startswith(expected), (case, result[case])
+            assert result[case]["elapsed"] < 20.0
+        assert result["one_without"]["type"] == "GroupAgreementError"
+        assert result["after"] == {"error": None, "value": 1, "elapsed": result["after"]["elapsed"]}
 
 
 def test_any_true_over_tells_every_member(world: ScenarioWorld) -> None:

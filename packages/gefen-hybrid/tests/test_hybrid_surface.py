@@ -1060,3 +1060,60 @@ def test_conformance_accepts_the_flat_state_dict(config: str, stepped: bool) -> 
         check_state_dict(contract, {**state_dict, "stray": 1})
     with pytest.raises(ConformanceError):
         check_state_dict(contract, {k: v for k, v in state_dict.items() if k != "gefen_hybrid"})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_refused_after_the_scheduled_beta1_changes_no_betas(backend: str) -> None:
+    """The backup ``betas`` follow ``momentum`` before the children's checks; a step those
+    checks refuse (a later group's momentum out of range, a NaN gradient) wrote them anyway."""
+    _, hybrid = _hybrid(backend, no_decay_substrings=("norm",))
+    _stepped(hybrid)
+    assert hybrid.backup is not None
+    groups = hybrid.backup.param_groups
+    assert len(groups) == 2
+    for refuse, fragment in (
+        (lambda: groups[1].__setitem__("momentum", 1.5), "'momentum' is read as beta1"),
+        (lambda: _params(hybrid)[-1].grad.view(-1).__setitem__(0, float("nan")), "NaN"),
+    ):
+        groups[0]["momentum"] = 0.5  # a scheduler's write, not yet followed into betas
+        _set_grads(_params(hybrid), 78)
+        refuse()
+        before = _snapshot(hybrid)
+        with pytest.raises((ValueError, RuntimeError), match=re.escape(fragment)):
+            hybrid.step()
+        _assert_same(before, _snapshot(hybrid))
+        groups[1].pop("momentum", None)
+        groups[0]["momentum"] = groups[0]["betas"][0]
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_whose_backup_momentum_no_beta1_may_take_is_refused_at_load(
+    backend: str,
+) -> None:
+    """It loaded, then every step failed; the same value in a Muon group was refused at load."""
+    _, hybrid = _hybrid(backend)
+    _stepped(hybrid)
+    saved = copy.deepcopy(hybrid.state_dict())
+    backup_group = next(i for i, g in enumerate(saved["param_groups"]) if not g["use_muon"])
+    saved["param_groups"][backup_group]["momentum"] = 1.5
+    before = _snapshot(hybrid)
+    with pytest.raises(ValueError, match=re.escape("GefenMuonHybrid checkpoint: backup param")):
+        hybrid.load_state_dict(saved)
+    _assert_same(before, _snapshot(hybrid))
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_hybrids_own_state_keys_follow_a_muon_child_built_later(backend: str) -> None:
+    """Non-tensor keys live in the first child's state (§5); a Muon child built by
+    ``add_param_group`` becomes the first, and the keys stayed behind in the backup's."""
+    norm = nn.LayerNorm(4)
+    hybrid = GefenMuonHybrid.from_model(norm, backup_optimizer=backend, **FAST)
+    hybrid.state["user"] = 1
+    hybrid.add_param_group({"params": [("w", nn.Parameter(torch.randn(4, 4)))]})
+    assert "user" in hybrid.state
+    assert list(hybrid.state).count("user") == 1
+    hybrid.state["user"] = 2
+    assert hybrid.state["user"] == 2
+    assert hybrid.state_dict()["state"]["user"] == 2

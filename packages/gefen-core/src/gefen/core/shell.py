@@ -39,6 +39,7 @@ from gefen.core.validation import (
     validate_gradient_structure,
 )
 from gefen.dist import (
+    PHASE_STATE_DICT_PREFLIGHT,
     Channel,
     CodebookProcessGroupBinding,
     GuardedOperation,
@@ -441,9 +442,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         """torch's layout plus the extras (§8.1) after one voted preflight of the binding and of
         options edited since the step (a codec edited after its state exists fails there)."""
         self._check_finalized_layout()
-        self.guarded_operation().local(
-            "state dict preflight", self._check_state_to_save, checkpoint_binding
-        )
+        op = self.guarded_operation()
+        op.local(PHASE_STATE_DICT_PREFLIGHT, self._check_state_to_save, checkpoint_binding)
         return state_dict_with_hooks(  # type: ignore[no-any-return]
             self,
             lambda: build_state_dict(self, self._build_state_entries(self.guarded_operation())),

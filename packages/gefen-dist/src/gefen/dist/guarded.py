@@ -148,7 +148,7 @@ class GuardedOperation:
                 )
         except Exception as exc:
             error = exc
-        if what and (error is not None or len(words) != AGREEMENT_WIDTH):
+        if what and (error is not None or len(words) == 0):
             words = (0,) * AGREEMENT_WIDTH  # a failing member's vote keeps its length
         agreement = (what, words) if what else None
         synchronize_step_error(error, phase, self.scope, self.owner_name, agreement=agreement)

@@ -24,12 +24,14 @@ __all__ = [
     "PHASE_OWNER_STATE_METADATA",
     "PHASE_RECORD_PREPARATION",
     "PHASE_REFRESH_PREAMBLE",
+    "PHASE_STATE_DICT_PREFLIGHT",
     "PHASE_STEP_PREFLIGHT",
     "any_true_over",
     "presence_words",
     "synchronize_step_error",
     "vote_over",
 ]
+_WORD_BOUND = 2**63  # a word and its negation both fit in int64
 
 PHASE_STEP_PREFLIGHT = "step preflight"
 PHASE_LOAD_VALIDATION = "load validation"
@@ -43,6 +45,7 @@ PHASE_MOMENTUM_REQUANTIZATION_STAGING = "momentum requantization staging"
 PHASE_OWNER_STATE_HEADER = "owner state header"
 PHASE_OWNER_STATE_METADATA = "owner state metadata"
 PHASE_RECORD_PREPARATION = "record preparation"
+PHASE_STATE_DICT_PREFLIGHT = "state dict preflight"
 
 
 AGREEMENT_WIDTH = 2
@@ -84,6 +87,26 @@ def presence_words(present: Iterable[bool | None]) -> tuple[int, int]:
     return digest, flags.count(1)
 
 
+def _agreement(
+    agreement: tuple[str, Sequence[int]] | None,
+) -> tuple[str, tuple[int, ...], Exception | None]:
+    """(what, the words to vote, a ValueError when the caller's words break the rules). The
+    vote always carries ``AGREEMENT_WIDTH`` words (zeros without an agreement or after a
+    misuse), so members that disagree on having one still vote the same length."""
+    if agreement is None:
+        return "", (0,) * AGREEMENT_WIDTH, None
+    what, words = agreement[0], tuple(agreement[1])
+    if len(words) != AGREEMENT_WIDTH or any(
+        type(word) is not int or not -_WORD_BOUND < word < _WORD_BOUND for word in words
+    ):
+        problem = ValueError(
+            f"agreement {what!r} needs {AGREEMENT_WIDTH} int words, each strictly between "
+            f"-2**63 and 2**63, got {words!r}"
+        )
+        return what, (0,) * AGREEMENT_WIDTH, problem
+    return what, words, None
+
+
 def synchronize_step_error(
     error: Exception | None,
     phase: str,
@@ -105,11 +128,13 @@ def synchronize_step_error(
         raise TypeError(
             f"synchronize_step_error expects an Exception or None, got {type(error).__name__}"
         )
+    what, words, misuse = _agreement(agreement)
+    if error is None:
+        error = misuse  # a caller's mistake on one member fails every member, by name
     if len(scope) == 0:
         if error is not None:
             raise error
         return
-    what, words = agreement if agreement is not None else ("", ())
     failed, agree = vote_over(scope, error is not None, words)
     if not failed:
         if not agree:

@@ -20,6 +20,7 @@ from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_h
 from gefen.hybrid.adamw_participant import PreparedChildLoad
 from gefen.hybrid.composite import child_presence_mask
 from gefen.hybrid.flat_layout import join, split
+from gefen.hybrid.group_form import check_scheduled_momentum
 
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
@@ -104,4 +105,6 @@ def prepare_hybrid_load(hybrid: HybridInterface, state_dict: Any) -> PreparedHyb
         role: participant.prepare_load_state_dict(nested[role])
         for role, participant in hybrid.participants
     }
+    if nested.get("backup") is not None:  # the step reads it as beta1: refuse it here, not then
+        check_scheduled_momentum(nested["backup"]["param_groups"], f"{_PREFIX}backup param group")
     return PreparedHybridLoad(hybrid, staged.get("muon"), staged.get("backup"))

@@ -12,7 +12,7 @@ flag; ``add_param_group`` splits a group the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -20,7 +20,13 @@ from torch import Tensor
 from gefen.core.extension import real_value
 from gefen.hybrid.routing import is_muon_param
 
-__all__ = ["follow_scheduled_momentum", "group_params", "is_group_form", "split_groups"]
+__all__ = [
+    "check_scheduled_momentum",
+    "follow_scheduled_momentum",
+    "group_params",
+    "is_group_form",
+    "split_groups",
+]
 
 # Keys one child reads and the other would misread: a flagless group's parts keep only their own
 # (a backup group's "momentum" is the beta1 a momentum-cycling scheduler writes, see below).
@@ -122,6 +128,23 @@ def group_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
     return tensors
 
 
+def check_scheduled_momentum(
+    groups: Iterable[Mapping[str, Any]], where: str = "backup param group"
+) -> None:
+    """Raise ``ValueError`` naming the first backup group whose ``momentum`` no beta1 may take
+    (``follow_scheduled_momentum`` reads it as beta1); a checkpoint's groups are checked too."""
+    for index, group in enumerate(groups):
+        if "momentum" not in group or "betas" not in group:
+            continue
+        momentum = group["momentum"]
+        number = real_value(momentum)
+        if number is None or not 0.0 <= number < 1.0:
+            raise ValueError(
+                f"{where} {index}: 'momentum' is read as beta1 (a momentum-cycling scheduler "
+                f"writes it) and must be a real in [0, 1), got {momentum!r}"
+            )
+
+
 def follow_scheduled_momentum(groups: Iterable[dict[str, Any]]) -> None:
     """A backup group reads its beta1 from ``momentum`` when the group has one.
 
@@ -131,16 +154,12 @@ def follow_scheduled_momentum(groups: Iterable[dict[str, Any]]) -> None:
     under its own scheduler, cycle Muon's momentum and AdamW's beta1 alike; here the backup
     groups follow ``momentum`` into ``betas`` before every step. A value no beta1 may take is
     refused before anything is written."""
-    for index, group in enumerate(groups):
+    groups = list(groups)
+    check_scheduled_momentum(groups)  # every group before any write
+    for group in groups:
         if "momentum" not in group or "betas" not in group:
             continue
         momentum = group["momentum"]
-        number = real_value(momentum)
-        if number is None or not 0.0 <= number < 1.0:
-            raise ValueError(
-                f"backup param group {index}: 'momentum' is read as beta1 (a momentum-cycling "
-                f"scheduler writes it) and must be a real in [0, 1), got {momentum!r}"
-            )
         beta1, beta2 = group["betas"]
         if float(beta1) != float(momentum):
             group["betas"] = (float(momentum), beta2)

@@ -274,6 +274,10 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     for param in child.param_groups.pop()["params"]:
                         child.state.pop(param, None)
             raise
+        if ("muon", None) in added and self.muon is not None and self.backup is not None:
+            # the hybrid's own (non-tensor) state keys live in the first child's state (§5)
+            for key in [key for key in self.backup.state if not isinstance(key, torch.Tensor)]:
+                self.muon.state[key] = self.backup.state.pop(key)
         self.rebuild_registry()
 
     def __repr__(self) -> str:
@@ -353,12 +357,20 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective: layout, the backup's scheduled beta1, each child's checks
-        (the one write: backup ``betas`` follow a scheduler's ``momentum``)."""
+        (the one write: backup ``betas`` follow a scheduler's ``momentum``, undone when a check
+        refuses the step)."""
         self.check_layout()
-        if self.backup is not None:
-            follow_scheduled_momentum(self.backup.param_groups)
-        for _, participant in self._participants:
-            participant.validate_step_inputs(amp_present=amp_present)
+        groups = self.backup.param_groups if self.backup is not None else []
+        before = [group.get("betas") for group in groups]
+        try:
+            follow_scheduled_momentum(groups)
+            for _, participant in self._participants:
+                participant.validate_step_inputs(amp_present=amp_present)
+        except BaseException:
+            for group, betas in zip(groups, before, strict=True):  # a refused step writes nothing
+                if betas is not None:
+                    group["betas"] = betas
+            raise
 
     def gradient_presence(self) -> list[bool]:
         """Each child's presence pattern, Muon first (what the step vote agrees on)."""

@@ -311,12 +311,17 @@ def _read_files(run_dir: Path, world_size: int, observed: _Observed) -> None:
 
 
 def _stop(processes: list[Any]) -> None:
-    for process in processes:
+    """Terminate, then kill what is left: one shared grace period for the whole world (a wait
+    per process would grow the hang bound with the world size); a rank that never started
+    (its ``start()`` raised) is skipped, so that error is the one reported."""
+    started = [process for process in processes if process.pid is not None]
+    for process in started:
         if process.is_alive():
             process.terminate()
-    for process in processes:
-        process.join(_JOIN_S)
-    for process in processes:
+    grace = time.monotonic() + _JOIN_S
+    for process in started:
+        process.join(max(0.0, grace - time.monotonic()))
+    for process in started:
         if process.is_alive():
             process.kill()
             process.join(_JOIN_S)
@@ -406,8 +411,9 @@ def run_ranks(
         raise ValueError("deadlines must nest: 0 < pg_timeout_s < rank_deadline_s")
     scenarios, single = _scenarios(worker, args)
     args_blob = pickle.dumps([scenario_args for _, _, scenario_args in scenarios])
-    run_dir = tempfile.mkdtemp(prefix="gefen-ranks-")
+    workers = tuple(_worker_ref(fn) for _, fn, _ in scenarios)  # refused before anything exists
     meeting = _Rendezvous.create(rendezvous)
+    run_dir = tempfile.mkdtemp(prefix="gefen-ranks-")
     config = _RunConfig(
         world_size=world_size,
         backend=backend if backend is not None else default_backend(),
@@ -418,7 +424,7 @@ def run_ranks(
         cuda_visible=cuda_visible,
         run_dir=run_dir,
         names=tuple(name for name, _, _ in scenarios),
-        workers=tuple(_worker_ref(fn) for _, fn, _ in scenarios),
+        workers=workers,
         args_blob=args_blob,
     )
     context = multiprocessing.get_context("spawn")
