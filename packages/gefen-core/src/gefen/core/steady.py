@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -69,7 +70,8 @@ def step_token(
                 return None
             held.append(param)
             # the strides too: a ``.data`` swapped for an expand()ed view keeps the shape
-            key.append((id(param), param.dtype, param.shape, param.stride(), param.device))
+            strides = param.stride() if param.layout is torch.strided else param.layout
+            key.append((id(param), param.dtype, param.shape, strides, param.device))
             key.append(None if grad is None else (grad.dtype, grad.shape, grad.device, grad.layout))
             entry = entries.get(id(param))
             key.append(None if entry is None else id(entry))

@@ -121,6 +121,8 @@ def overlaps_itself(tensor: Tensor) -> bool:
     """Whether two elements of ``tensor`` may share memory (an ``expand()``ed view: a stride 0
     over a dimension longer than 1, or strides too small for the sizes): the step's in-place
     write to such a parameter fails half-way, after earlier parameters were written."""
+    if tensor.layout != torch.strided:
+        return False  # no strides to share memory through (other checks name such tensors)
     extent = 1  # the span the dimensions seen so far cover, in elements
     for stride, size in sorted(
         (st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz > 1
