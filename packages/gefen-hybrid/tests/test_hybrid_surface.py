@@ -1117,3 +1117,22 @@ def test_the_hybrids_own_state_keys_follow_a_muon_child_built_later(backend: str
     hybrid.state["user"] = 2
     assert hybrid.state["user"] == 2
     assert hybrid.state_dict()["state"]["user"] == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("model", "options", "fragment"),
+    [
+        (lambda: nn.LayerNorm(4), {"momentum": 1.2}, "Invalid momentum value: 1.2"),
+        (lambda: nn.LayerNorm(4), {"ns_steps": 0}, "ns_steps"),
+        (lambda: nn.Linear(4, 4, bias=False), {"eps": -1.0}, "eps"),
+    ],
+    ids=["no-muon-child-momentum", "no-muon-child-ns-steps", "no-backup-child-eps"],
+)
+def test_options_of_a_child_the_hybrid_lacks_are_checked_at_construction(
+    backend: str, model: Callable[[], nn.Module], options: dict[str, Any], fragment: str
+) -> None:
+    """They were accepted, and refused only when ``add_param_group`` built that child, with a
+    message about an option the added group never set."""
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        GefenMuonHybrid.from_model(model(), backup_optimizer=backend, **{**FAST, **options})

@@ -293,6 +293,9 @@ def build_children(
             UserWarning,
             stacklevel=3,
         )
-    muon = muon_child(config, muon_groups) if muon_groups else None
-    backup = backup_child(config, backup_groups) if backup_groups else None
-    return muon, backup
+    # A child the hybrid lacks is still built over one empty group and dropped: its own
+    # constructor checks its options now (torch checks every option at construction), not
+    # first when add_param_group builds it.
+    muon = muon_child(config, muon_groups or [{"params": []}])
+    backup = backup_child(config, backup_groups or [{"params": []}])
+    return (muon if muon_groups else None), (backup if backup_groups else None)
