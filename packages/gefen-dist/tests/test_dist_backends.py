@@ -98,6 +98,17 @@ def test_cuda_graph_capturing_never_queries_cuda_for_cpu(monkeypatch: pytest.Mon
     assert cuda_graph_capturing([]) is False
 
 
+@pytest.mark.parametrize(
+    ("item", "error", "match"),
+    [("nope", ValueError, "'nope' is not a device name"), (3, TypeError, "got int")],
+)
+def test_cuda_graph_capturing_names_what_is_not_a_device(
+    item: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        cuda_graph_capturing([item])
+
+
 def test_cuda_graph_capturing_asks_only_when_cuda_is_available(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -103,6 +103,9 @@ def test_empty_scope_header() -> None:
         ({**EMPTY, "version": 2}, "version"),
         ({**EMPTY, "world_size": 2}, "world_size"),
         ({**EMPTY, "rank": 1}, "rank"),
+        ({**EMPTY, "rank": False}, "rank"),
+        ({**EMPTY, "world_size": True}, "world_size"),
+        ({**EMPTY, "version": 1.0}, "version"),
         ({k: v for k, v in EMPTY.items() if k != "rank"}, "rank"),
         ({**EMPTY, "channels": [{}]}, "channels"),
         ({**EMPTY, "extra": 1}, "extra"),
@@ -142,7 +145,15 @@ def test_channel_header_fields(monkeypatch: pytest.MonkeyPatch) -> None:
         ],
     }
     check_rank_local_header(copy.deepcopy(header), scope)
-    for field, value in [("mesh_dim", 1), ("group_ranks", [3, 1]), ("mesh_key", None)]:
+    for field, value in [
+        ("mesh_dim", 1),
+        ("mesh_dim", False),
+        ("group_ranks", [3, 1]),
+        ("group_ranks", [True, 3]),
+        ("group_rank", 1.0),
+        ("mesh_key", None),
+        ("mesh_key", ["cpu", [2, 2], [0, 1, 2, 3.0]]),
+    ]:
         saved = copy.deepcopy(header)
         saved["channels"][0][field] = value
         with pytest.raises(ValueError, match=rf"differs: channels\[0\]\.{field}$"):

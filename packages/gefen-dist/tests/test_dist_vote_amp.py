@@ -151,7 +151,9 @@ def test_parser_rejects_other_grad_scale_forms(grad_scale: object) -> None:
         parse_amp_controls(_decorated(grad_scale=grad_scale))
 
 
-@pytest.mark.parametrize("grad_scale", [0, -1.0, float("inf"), float("nan"), torch.tensor(0.0)])
+@pytest.mark.parametrize(
+    "grad_scale", [0, -1.0, float("inf"), float("nan"), torch.tensor(0.0), 10**400]
+)
 @pytest.mark.parametrize("found_inf", [0.0, 1.0])
 def test_non_finite_or_non_positive_scale_raises_even_with_overflow(
     grad_scale: object, found_inf: float

@@ -76,7 +76,10 @@ def _parse_grad_scale(value: object) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         scale = float(_one_element_value(value))
     elif _is_number(value):
-        scale = float(value)  # type: ignore[arg-type]
+        try:
+            scale = float(value)  # type: ignore[arg-type]
+        except OverflowError:  # an int or Fraction beyond float range: refused below
+            scale = math.inf
     else:
         raise RuntimeError(
             "GradScaler supplied an unsupported grad_scale (expected None, a number or a "

@@ -50,6 +50,17 @@ def rank_local_header(scope: Sequence[Channel]) -> dict[str, Any]:
     }
 
 
+def _same(saved: object, live: object) -> bool:
+    """Equal and of the same type at every level: a saved ``True`` is not a live rank ``1``."""
+    if isinstance(live, list):
+        return (
+            isinstance(saved, list)
+            and len(saved) == len(live)
+            and all(_same(old, new) for old, new in zip(saved, live, strict=True))
+        )
+    return type(saved) is type(live) and saved == live
+
+
 def _first_difference(saved: object, live: dict[str, Any]) -> str | None:
     """The name of the first field where ``saved`` differs from ``live``, in header order."""
     if not isinstance(saved, dict):
@@ -57,7 +68,7 @@ def _first_difference(saved: object, live: dict[str, Any]) -> str | None:
     for field in _HEADER_FIELDS:
         if field == "channels":
             continue
-        if field not in saved or saved[field] != live[field]:
+        if field not in saved or not _same(saved[field], live[field]):
             return field
     saved_channels = saved.get("channels")
     if not isinstance(saved_channels, list) or len(saved_channels) != len(live["channels"]):
@@ -66,7 +77,7 @@ def _first_difference(saved: object, live: dict[str, Any]) -> str | None:
         if not isinstance(old, dict):
             return f"channels[{index}]"
         for field in _CHANNEL_FIELDS:
-            if field not in old or old[field] != new[field]:
+            if field not in old or not _same(old[field], new[field]):
                 return f"channels[{index}].{field}"
         extra = sorted(set(old) - set(_CHANNEL_FIELDS))
         if extra:

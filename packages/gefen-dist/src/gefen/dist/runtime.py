@@ -42,7 +42,10 @@ def _is_cuda(item: object) -> bool:
     if isinstance(item, torch.device):
         return item.type == "cuda"
     if isinstance(item, str):
-        return torch.device(item).type == "cuda"
+        try:
+            return torch.device(item).type == "cuda"
+        except RuntimeError as error:
+            raise ValueError(f"cuda_graph_capturing: {item!r} is not a device name") from error
     raise TypeError(f"cuda_graph_capturing expects tensors or devices, got {type(item).__name__}")
 
 
