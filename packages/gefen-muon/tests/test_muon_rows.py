@@ -111,8 +111,14 @@ def _step_past_global(sd: dict[str, Any], rank: int) -> None:
     sd["state"][2]["step"] = 99
 
 
+def _int16_codes(sd: dict[str, Any], rank: int) -> None:
+    # Gloo cannot gather int16: the dtype must be refused before the rows travel.
+    sd["state"][1]["momentum_codes"] = sd["state"][1]["momentum_codes"].to(torch.int16)
+
+
 MISFITS = {
     "cut": _cut_on_rank_one,
+    "dtype": _int16_codes,
     "replicated": _replicated,
     "nan": _nan_scale_on_rank_one,
     "step": _step_past_global,
@@ -187,6 +193,7 @@ FAILED_THERE = (
         ("cut", (1,), "'momentum_codes' must hold the parameter's 6 rows (3 on this rank)"),
         ("replicated", (0, 1), "'momentum_codes' must be sharded Shard(0) on its parameter's"),
         ("nan", (0, 1), "'momentum_scale' must be finite"),
+        ("dtype", (0, 1), "'momentum_codes' must be torch.uint8, got torch.int16"),
         ("step", (0, 1), "'step' 99 exceeds 3"),
     ],
 )

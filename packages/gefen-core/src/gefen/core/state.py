@@ -121,6 +121,14 @@ class EntrySpec:
     recorded_ints: Mapping[str, int] = field(default_factory=dict)
     codes_per_byte: int = 1
 
+    def tensor_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of every tensor key an entry may hold: the one table the checks read."""
+        keys = self.codec_keys
+        dtypes = {keys.codes: torch.uint8, keys.scale: torch.float32, keys.dense: self.dense_dtype}
+        dtypes.update(dict.fromkeys(("v_block", "v_row", "v_col"), torch.float32))
+        dtypes.update({k: d for k, (_, d) in self.extra_pairs.items() if d.is_floating_point})
+        return dtypes
+
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``validate_entry`` (everything but ``entry`` and ``where``)."""
         return {
@@ -230,10 +238,11 @@ def _check_momentum(check: _EntryCheck, entry: Mapping[str, Any], grid: tuple[in
                 check.fail(f"missing key '{key}'")
         packed = check.spec.codes_per_byte == 2
         width = code_bytes(grid[1], packed=packed)
-        codes = check.tensor(entry, keys.codes, torch.uint8, (grid[0], width))
+        dtypes = check.spec.tensor_dtypes()
+        codes = check.tensor(entry, keys.codes, dtypes[keys.codes], (grid[0], width))
         if check.values and packed and grid[1] % 2 and bool((codes[:, -1] >> 4).any()):
             check.fail(f"'{keys.codes}': the unused high nibble of an odd block must be 0")
-        scale = check.tensor(entry, keys.scale, torch.float32, (grid[0], 1))
+        scale = check.tensor(entry, keys.scale, dtypes[keys.scale], (grid[0], 1))
         check.non_negative(keys.scale, scale)
         return "q4" if packed else "q8"
     if keys.dense not in entry:

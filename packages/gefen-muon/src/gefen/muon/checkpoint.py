@@ -321,7 +321,9 @@ def _pending_rows(
         if not any(is_dtensor(value) for value in entry.values()):
             continue
         where = f"{optimizer.OWNER_NAME} checkpoint: entry {names[index]}"
-        error = rows_layout_error(entry, param, where)
+        error = rows_layout_error(
+            entry, param, where, optimizer.entry_spec(group, param).tensor_dtypes()
+        )
         if error is not None:
             raise error
         pending[index] = PendingRows(

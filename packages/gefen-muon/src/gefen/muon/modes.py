@@ -37,10 +37,17 @@ PLAIN, APPROX, EXACT, DISTRIBUTED = "plain", "approx", "exact", "distributed"
 
 
 def is_eligible(param: Tensor) -> bool:
-    """A DTensor on a 1-D mesh of two or more ranks, under an initialised torch.distributed."""
+    """A non-empty DTensor on a 1-D mesh of two or more ranks, under an initialised
+    torch.distributed.
+
+    An empty matrix is never planned (it stays pristine), so it must not take an owner slot
+    either: the step and the checkpoint then count the same owners.
+    """
     import torch.distributed as dist
 
-    if not is_dtensor(param) or not (dist.is_available() and dist.is_initialized()):
+    if not is_dtensor(param) or param.numel() == 0:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
         return False
     mesh = param.device_mesh  # type: ignore[attr-defined]
     return bool(mesh.ndim == 1 and mesh.size() >= 2)

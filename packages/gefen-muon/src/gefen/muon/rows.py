@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from gefen.core.extension import (
@@ -91,9 +92,12 @@ def owned_rows(entry: Mapping[str, Any], param: Tensor) -> dict[str, Any]:
     return {k: local_rows(v, param) if isinstance(v, Tensor) else v for k, v in entry.items()}
 
 
-def rows_layout_error(entry: Mapping[str, Any], param: Tensor, where: str) -> ValueError | None:
+def rows_layout_error(
+    entry: Mapping[str, Any], param: Tensor, where: str, dtypes: Mapping[str, torch.dtype]
+) -> ValueError | None:
     """Why ``entry``'s DTensors are not the rows of ``param``'s full state, or None. Local and
-    read before the vote, so the gathers after it are the same on every rank."""
+    read before the vote, so the gathers after it are the same on every rank and never carry a
+    dtype the entry cannot hold (``dtypes``: ``EntrySpec.tensor_dtypes``)."""
     from torch.distributed.tensor import Shard
 
     if not is_dtensor(param):
@@ -107,6 +111,10 @@ def rows_layout_error(entry: Mapping[str, Any], param: Tensor, where: str) -> Va
         ) != (Shard(0),):
             return ValueError(f"{where}: '{key}' must be sharded Shard(0) on its parameter's mesh")
         local = local_tensor(value)
+        if key not in dtypes:
+            return ValueError(f"{where}: unexpected key '{key}'")
+        if local.dtype != dtypes[key]:
+            return ValueError(f"{where}: '{key}' must be {dtypes[key]}, got {local.dtype}")
         if value.dim() != 2 or int(value.shape[0]) != rows or int(local.shape[0]) != held:
             return ValueError(
                 f"{where}: '{key}' must hold the parameter's {rows} rows ({held} on this rank), "
