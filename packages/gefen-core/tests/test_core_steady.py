@@ -8,6 +8,7 @@ trains with the new value, bit-identical to a twin that never takes the fast pat
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +203,64 @@ def test_an_edited_counter_is_refused_by_name_before_anything_changes(
     full = f"parameter param_groups[0][0]: state does not match parameter (entry: {message}"
     rejects(optimizer, optimizer.state_dict, RuntimeError, full, check_training=False)
     rejects(optimizer, optimizer.step, RuntimeError, full, restore=restore)
+
+
+def _expanded(value: torch.Tensor) -> torch.Tensor:
+    return value[:1].clone().expand_as(value)
+
+
+def _transposed(value: torch.Tensor) -> torch.Tensor:
+    return value.t().contiguous().t()  # equal values, column-major strides
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("layout", [_expanded, _transposed], ids=["expanded", "transposed"])
+def test_state_put_in_with_other_strides_is_refused_before_anything_changes(
+    fused: bool, layout: Any, rejects: Any
+) -> None:
+    """The native kernels read state through ``data_ptr()`` as row-major: an ``expand()``ed
+    tensor put into the state was written out of bounds (a crash or a hang on large
+    parameters), a transposed one was read out of order (a silently wrong update)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+    optimizer = Gefen(params, lr=1e-2, fused=fused)
+    _train(optimizer, params, range(3), lambda step: None)
+    entry = optimizer.state[params[0]]
+    good = entry["momentum_codes"]
+    entry["momentum_codes"] = layout(good)
+    _grads(params, 53)
+
+    def restore() -> None:
+        entry["momentum_codes"] = good
+
+    full = "parameter param_groups[0][0]: state does not match parameter (entry: "
+    rule = full + "'momentum_codes' must be contiguous"
+    rejects(optimizer, optimizer.step, RuntimeError, rule, restore=restore)
+
+
+def test_a_checkpoint_with_column_major_state_loads_row_major() -> None:
+    """A file may hold state with any dense strides: the load copies it row-major, so the
+    native kernel resumes exactly as from the row-major file."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+    optimizer = Gefen(params, lr=1e-2, fused=True)
+    _train(optimizer, params, range(3), lambda step: None)
+    saved = optimizer.state_dict()
+    permuted = copy.deepcopy(saved)
+    for entry in permuted["state"].values():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and min(value.shape) > 1:
+                entry[key] = _transposed(value)
+    assert not permuted["state"][0]["momentum_codes"].is_contiguous()
+    runs = []
+    for state_dict in (saved, permuted):
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        twin = Gefen(twins, lr=1e-2, fused=True)
+        twin.load_state_dict(state_dict)
+        assert all(v.is_contiguous() for v in twin.state[twins[0]].values() if torch.is_tensor(v))
+        _train(twin, twins, range(3, 5), lambda step: None)
+        runs.append([p.detach().clone() for p in twins])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_a_new_group_and_a_replaced_parameter_take_the_full_path() -> None:

@@ -91,6 +91,28 @@ def test_an_edited_step_counter_is_refused_before_any_write(value: object) -> No
     _trains(optimizer, param)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["expanded", "transposed"])
+def test_momentum_codes_put_in_with_other_strides_are_refused_before_any_write(
+    transposed: bool,
+) -> None:
+    """The fused kernels read codes row-major through ``data_ptr()``: an ``expand()``ed tensor
+    was written out of bounds (a crash or hang on large matrices), a transposed one read out of
+    order."""
+    optimizer, param = _stepped((16, 8))
+    good = optimizer.state[param]["momentum_codes"]
+    odd = good.t().contiguous().t() if transposed else good[:1].clone().expand_as(good)
+    optimizer.state[param]["momentum_codes"] = odd
+    param.grad = torch.randn(16, 8)
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    value_before = param.detach().clone()
+    with pytest.raises(RuntimeError, match="'momentum_codes' must be contiguous"):
+        optimizer.step()
+    assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    assert torch.equal(value_before, param.detach())
+    optimizer.state[param]["momentum_codes"] = good
+    _trains(optimizer, param)
+
+
 def test_a_checkpoint_written_before_the_width_was_recorded_loads_and_records_it() -> None:
     source, _ = _stepped((16, 8), seed=3)
     legacy = copy.deepcopy(source.state_dict())

@@ -384,7 +384,11 @@ def copy_entry(entry: Mapping[str, Any], device: torch.device) -> dict[str, Any]
     """A copy of an entry whose tensors are detached copies on ``device`` in their own dtype
     (torch's base loader would cast floating state to the parameter dtype)."""
     return {
-        key: value.detach().to(device=device, copy=True) if isinstance(value, Tensor) else value
+        # Row-major: the native kernels read the state through data_ptr() (a dense transposed
+        # tensor from a file would otherwise be read in the wrong order).
+        key: value.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
+        if isinstance(value, Tensor)
+        else value
         for key, value in entry.items()
     }
 
@@ -395,6 +399,11 @@ def entry_matches(entry: Mapping[str, Any], spec: EntrySpec) -> str | None:
         _validate(entry, "entry", spec, values=False)
     except ValueError as error:
         return str(error)
+    for key, value in entry.items():
+        # The kernels read state row-major through data_ptr(): an expand()ed or transposed
+        # tensor put into the state would be read (and written) out of order or out of bounds.
+        if isinstance(value, Tensor) and not local_tensor(value).is_contiguous():
+            return f"entry: '{key}' must be contiguous"
     return None
 
 
