@@ -196,8 +196,12 @@ class _ManifestCheck:
             and extras["codebook"] is None
             and all(set(entry) <= {"period"} for entry in self.saved.values())
         )
+        if pristine or extras.get("format_version") == TEMPLATE_FORMAT:
+            # Format 2 is written consolidated by every release that writes it (the manifest
+            # came first); DCP keeps no top-level extras, so its files arrive without one.
+            return
         eligible = [slot.index for slots in self.slots for slot in slots]
-        if pristine or all(is_initialized(self.saved.get(i, {})) for i in eligible):
+        if all(is_initialized(self.saved.get(i, {})) for i in eligible):
             return
         raise _reject("consolidation marker is missing (a distributed save must be consolidated)")
 
