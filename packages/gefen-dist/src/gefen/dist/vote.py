@@ -138,6 +138,13 @@ def synchronize_step_error(
     failed, agree = vote_over(scope, error is not None, words)
     if not failed:
         if not agree:
+            if not what:  # this member offered no words: a peer is in another operation
+                raise GroupAgreementError(
+                    f"{owner_name} {phase}: another process-group member is in a different "
+                    "operation (its vote carries agreement words; nothing was changed)",
+                    owner_name=owner_name,
+                    what="operation",
+                )
             raise GroupAgreementError(
                 f"{owner_name} {phase}: {what} differs across the process-group members "
                 "(every member must present the same; nothing was changed)",
