@@ -122,6 +122,26 @@ def scenario_one_rank_missing_gradient(rank: int, world_size: int) -> dict[str, 
     return {"elapsed": elapsed, "error": error, "changes": changes, "same": same}
 
 
+def scenario_one_rank_edited_option(rank: int, world_size: int, option: str) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    optimizer.zero_grad()
+    model(_batch(rank, 7)).square().mean().backward()
+    group = optimizer.param_groups[0]
+    kept = group[option]
+    if rank == 1:  # an edit on one member only (a per-rank schedule, a stray assignment)
+        group[option] = 0.02 if option == "lr" else not kept
+    before = _snapshot(optimizer)
+    elapsed, error, _ = timed(optimizer.step)
+    changes = _changes(optimizer, before)
+    group[option] = kept
+    optimizer.step()  # repaired: it trains, together
+    return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
+
+
 def scenario_one_rank_load_rejection(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.core import Gefen
     from gefen.dist import DistributedStepError
@@ -212,6 +232,8 @@ SCENARIOS = [
     ("closure", scenario_one_rank_closure_failure, ()),
     ("load", scenario_one_rank_load_rejection, ()),
     ("missing_grad", scenario_one_rank_missing_gradient, ()),
+    ("edited_lr", scenario_one_rank_edited_option, ("lr",)),
+    ("edited_period", scenario_one_rank_edited_option, ("force_2d_period_one",)),
     ("rank_local", scenario_rank_local_refusal, ()),
     ("dcp", scenario_dcp_round_trip, ()),
 ]
@@ -265,6 +287,22 @@ def test_a_gradient_missing_on_one_rank_fails_every_rank_with_nothing_mutated(
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["same"]  # the repaired step equals an untouched twin's, bit for bit
+
+
+@pytest.mark.parametrize("edit", ["edited_lr", "edited_period"])
+def test_an_option_edited_on_one_rank_fails_every_rank_with_nothing_mutated(
+    world: ScenarioWorld, edit: str
+) -> None:
+    # It used to pass unseen: an edited lr made the ranks diverge, and an edited
+    # force_2d_period_one made them run different collectives (a backend error or an abort).
+    for result in world[edit]:
+        assert result["error"] == (
+            "GroupAgreementError: Gefen step preflight: group options differs across the "
+            "process-group members (every member must present the same; nothing was changed)"
+        )
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        assert result["step"] == 3
 
 
 def test_one_rank_load_rejection_raises_everywhere_and_commits_nowhere(

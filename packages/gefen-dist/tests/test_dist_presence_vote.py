@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gefen.dist import AGREEMENT_WIDTH, GuardedOperation, presence_words, vote_over
+from gefen.dist import AGREEMENT_WIDTH, GuardedOperation, presence_words, vote_over, vote_words
 
 
 def test_presence_words_are_two_int64_words_that_follow_the_pattern_and_its_order() -> None:
@@ -51,3 +51,17 @@ def test_local_agreeing_in_one_process_returns_the_result_and_raises_unchanged()
     with pytest.raises(KeyError) as info:
         op.local_agreeing("phase", "gradient presence", failing)
     assert info.value is failure  # single process: the very same exception
+
+
+def test_vote_words_reports_agreement_per_word() -> None:
+    assert vote_words((), False, (5, 7)) == (False, (True, True))
+    assert vote_words((), True) == (True, ())
+
+
+@pytest.mark.parametrize("subjects", [("gradient presence",), ("gradient presence", "")])
+def test_agreement_subjects_must_be_one_per_word(subjects: tuple[str, ...]) -> None:
+    op = GuardedOperation("Owner", scope=())
+    with pytest.raises(ValueError, match="must be one non-empty str, or a tuple of 2"):
+        op.local_agreeing("phase", subjects, lambda: ("done", (1, 2)))
+    pair = ("gradient presence", "group options")
+    assert op.local_agreeing("phase", pair, lambda: ("done", (1, 2))) == "done"

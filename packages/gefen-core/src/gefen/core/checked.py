@@ -7,7 +7,9 @@ are cheap to compute and compare identities (and versions, for tensors), never t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import numbers
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -24,6 +26,7 @@ __all__ = [
     "entry_signature",
     "match_changed_entries",
     "options_token",
+    "options_word",
     "revalidate_changed_groups",
 ]
 
@@ -42,6 +45,36 @@ def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
         else:
             token.append((name, type(value), value))
     return tuple(token)
+
+
+def _option_text(value: Any) -> str:
+    """A value as every process writes it alike: plain values by type and repr, sequences item
+    by item, a tensor by dtype and shape (reading its value would synchronize a device), any
+    other object by its type only (its repr may hold a per-process address)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({','.join(_option_text(item) for item in value)})"
+    if isinstance(value, Tensor):
+        return f"tensor:{value.dtype}:{tuple(value.shape)}"
+    if isinstance(value, numbers.Real):  # a NumPy scalar: its value, as the step reads it
+        return f"{type(value).__name__}:{float(value)!r}"
+    return f"object:{type(value).__module__}.{type(value).__qualname__}"
+
+
+def options_word(groups: Iterable[Mapping[Any, Any]]) -> int:
+    """A 56-bit digest of every group's options in group order (keys sorted, ``params`` and
+    ``param_names`` left out): the step vote agrees on it, so an option edited on one
+    process-group member alone fails every member before anything runs (docs/dist.md §5)."""
+    text = "|".join(
+        ";".join(
+            f"{key!s}={_option_text(value)}"
+            for key, value in sorted(group.items(), key=lambda item: str(item[0]))
+            if key != "params" and key != "param_names"
+        )
+        for group in groups
+    )
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
 class _Held:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from gefen.core.checked import options_word
 from gefen.dist import (
     PHASE_LOAD_VALIDATION,
     PHASE_STEP_PREFLIGHT,
@@ -81,6 +82,8 @@ class StepParticipant(Protocol):
 
     OWNER_NAME: ClassVar[str]
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
     def guarded_operation(self) -> GuardedOperation: ...
     def check_latch(self) -> None: ...
     def validate_step_inputs(self, *, amp_present: bool) -> None: ...
@@ -138,12 +141,18 @@ def _local_preflight(
     return loss, args, kwargs, optimizer.step_header_payload()
 
 
+STEP_AGREEMENT = ("gradient presence", "group options")
+"""What the step vote agrees on, one subject per word (docs/dist.md §5)."""
+
+
 def _agreed_preflight(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, tuple[Any, ...], dict[str, Any], Any], tuple[int, int]]:
-    """Phase 1 and the gradient-presence words the vote agrees on."""
+    """Phase 1 and the words the vote agrees on: the gradient-presence digest, then the
+    options digest (the options as phase 1 leaves them: pre-hooks may set them)."""
     outcome = _local_preflight(optimizer, args, kwargs)
-    return outcome, presence_words(optimizer.gradient_presence())
+    presence, _count = presence_words(optimizer.gradient_presence())
+    return outcome, (presence, options_word(optimizer.param_groups))
 
 
 def _run_post_hooks(
@@ -194,7 +203,7 @@ def run_step(
         # all-reduce and a mismatched operation fails cleanly at the operation header.
         loss, args, kwargs, payload = op.local_agreeing(
             PHASE_STEP_PREFLIGHT,
-            "gradient presence",
+            STEP_AGREEMENT,
             lambda: _agreed_preflight(optimizer, args, kwargs),
         )
     else:

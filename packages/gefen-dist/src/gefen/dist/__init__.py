@@ -45,6 +45,7 @@ from gefen.dist.vote import (
     presence_words,
     synchronize_step_error,
     vote_over,
+    vote_words,
 )
 
 __all__ = [
@@ -90,4 +91,5 @@ __all__ = [
     "rank_local_header",
     "synchronize_step_error",
     "vote_over",
+    "vote_words",
 ]

@@ -133,10 +133,16 @@ class GuardedOperation:
         """Run ``fn`` and the binding-swap check, then vote the outcome over the scope."""
         return self.local_agreeing(phase, "", lambda: (fn(*args, **kwargs), ()))
 
-    def local_agreeing(self, phase: str, what: str, fn: Callable[[], tuple[T, Sequence[int]]]) -> T:
+    def local_agreeing(
+        self,
+        phase: str,
+        what: str | tuple[str, ...],
+        fn: Callable[[], tuple[T, Sequence[int]]],
+    ) -> T:
         """``local`` for an ``fn`` returning ``(result, words)``: the vote also checks, in the same
         all-reduce, that every member returned equal words (``AGREEMENT_WIDTH`` of them, or none
-        at all); a difference raises ``GroupAgreementError`` naming ``what`` on every member."""
+        at all); a difference raises ``GroupAgreementError`` naming ``what`` (or the subject of
+        the first differing word, for a tuple of one subject per word) on every member."""
         error: Exception | None = None
         result: T | None = None
         words: Sequence[int] = ()

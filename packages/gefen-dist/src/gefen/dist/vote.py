@@ -30,6 +30,7 @@ __all__ = [
     "presence_words",
     "synchronize_step_error",
     "vote_over",
+    "vote_words",
 ]
 _WORD_BOUND = 2**63  # a word and its negation both fit in int64
 
@@ -54,12 +55,14 @@ has the same length whatever it found."""
 
 
 @collective
-def vote_over(scope: Sequence[Channel], flag: bool, words: Sequence[int] = ()) -> tuple[bool, bool]:
-    """(whether ``flag`` is true on any member, whether every member passed equal ``words``):
-    one MAX all-reduce per channel of ``[flag, *words, *-words]``, folded channel by channel,
-    so the agreement costs no extra round trip. Every rank enters every channel (no
+def vote_words(
+    scope: Sequence[Channel], flag: bool, words: Sequence[int] = ()
+) -> tuple[bool, tuple[bool, ...]]:
+    """(whether ``flag`` is true on any member, for each word whether every member passed it
+    equal): one MAX all-reduce per channel of ``[flag, *words, *-words]``, folded channel by
+    channel, so the agreement costs no extra round trip. Every rank enters every channel (no
     short-circuit), so the folded values reach every rank the scope links. Words must fit in
-    int64 and have the same length on every member. An empty scope returns ``(flag, True)``."""
+    int64 and have the same length on every member. An empty scope agrees on every word."""
     import torch.distributed as dist
 
     values = [1 if flag else 0, *words, *(-word for word in words)]
@@ -68,8 +71,15 @@ def vote_over(scope: Sequence[Channel], flag: bool, words: Sequence[int] = ()) -
         dist.all_reduce(folded, op=dist.ReduceOp.MAX, group=channel.process_group)
         values = folded.tolist()
     width = len(words)
-    agree = all(values[1 + i] == -values[1 + width + i] for i in range(width))  # max == min
-    return bool(values[0]), agree
+    same = tuple(values[1 + i] == -values[1 + width + i] for i in range(width))  # max == min
+    return bool(values[0]), same
+
+
+def vote_over(scope: Sequence[Channel], flag: bool, words: Sequence[int] = ()) -> tuple[bool, bool]:
+    """(whether ``flag`` is true on any member, whether every member passed equal ``words``):
+    ``vote_words`` with the agreement folded to one answer."""
+    flagged, same = vote_words(scope, flag, words)
+    return flagged, all(same)
 
 
 def any_true_over(scope: Sequence[Channel], flag: bool) -> bool:
@@ -88,23 +98,33 @@ def presence_words(present: Iterable[bool | None]) -> tuple[int, int]:
 
 
 def _agreement(
-    agreement: tuple[str, Sequence[int]] | None,
-) -> tuple[str, tuple[int, ...], Exception | None]:
-    """(what, the words to vote, a ValueError when the caller's words break the rules). The
-    vote always carries ``AGREEMENT_WIDTH`` words (zeros without an agreement or after a
-    misuse), so members that disagree on having one still vote the same length."""
+    agreement: tuple[str | tuple[str, ...], Sequence[int]] | None,
+) -> tuple[tuple[str, ...], tuple[int, ...], Exception | None]:
+    """(the subject of each word, the words to vote, a ValueError when the caller's agreement
+    breaks the rules). The vote always carries ``AGREEMENT_WIDTH`` words (zeros without an
+    agreement or after a misuse), so members that disagree on having one still vote the same
+    length. ``what`` is one subject for every word, or a tuple of one subject per word."""
     if agreement is None:
-        return "", (0,) * AGREEMENT_WIDTH, None
+        return ("",) * AGREEMENT_WIDTH, (0,) * AGREEMENT_WIDTH, None
     what, words = agreement[0], tuple(agreement[1])
-    if len(words) != AGREEMENT_WIDTH or any(
+    subjects = what if isinstance(what, tuple) else (what,) * AGREEMENT_WIDTH
+    problem: ValueError | None = None
+    if len(subjects) != AGREEMENT_WIDTH or not all(isinstance(s, str) and s for s in subjects):
+        problem = ValueError(
+            f"agreement subjects {what!r} must be one non-empty str, or a tuple of "
+            f"{AGREEMENT_WIDTH} non-empty strs (one per word)"
+        )
+    elif len(words) != AGREEMENT_WIDTH or any(
         type(word) is not int or not -_WORD_BOUND < word < _WORD_BOUND for word in words
     ):
         problem = ValueError(
             f"agreement {what!r} needs {AGREEMENT_WIDTH} int words, each strictly between "
             f"-2**63 and 2**63, got {words!r}"
         )
-        return what, (0,) * AGREEMENT_WIDTH, problem
-    return what, words, None
+    if problem is not None:
+        named = subjects if len(subjects) == AGREEMENT_WIDTH else (str(what),) * AGREEMENT_WIDTH
+        return named, (0,) * AGREEMENT_WIDTH, problem
+    return subjects, words, None
 
 
 def synchronize_step_error(
@@ -113,7 +133,7 @@ def synchronize_step_error(
     scope: Sequence[Channel],
     owner_name: str,
     *,
-    agreement: tuple[str, Sequence[int]] | None = None,
+    agreement: tuple[str | tuple[str, ...], Sequence[int]] | None = None,
 ) -> None:
     """Make every member of ``scope`` fail together when any of them captured ``error``.
 
@@ -122,22 +142,24 @@ def synchronize_step_error(
     ``except Exception`` only: ``KeyboardInterrupt`` and friends propagate unvoted.
     ``agreement=(what, words)`` (``AGREEMENT_WIDTH`` words; a failing member passes zeros)
     rides in the same all-reduce: when nobody failed but the words differ, every member raises
-    the same ``GroupAgreementError`` naming ``what``.
+    the same ``GroupAgreementError`` naming ``what`` (or, when ``what`` is a tuple of one subject
+    per word, the subject of the first word that differs).
     """
     if error is not None and not isinstance(error, Exception):
         raise TypeError(
             f"synchronize_step_error expects an Exception or None, got {type(error).__name__}"
         )
-    what, words, misuse = _agreement(agreement)
+    subjects, words, misuse = _agreement(agreement)
     if error is None:
         error = misuse  # a caller's mistake on one member fails every member, by name
     if len(scope) == 0:
         if error is not None:
             raise error
         return
-    failed, agree = vote_over(scope, error is not None, words)
+    failed, same = vote_words(scope, error is not None, words)
     if not failed:
-        if not agree:
+        if not all(same):
+            what = subjects[same.index(False)]
             if not what:  # this member offered no words: a peer is in another operation
                 raise GroupAgreementError(
                     f"{owner_name} {phase}: another process-group member is in a different "

@@ -1,0 +1,50 @@
+"""``options_word``: the digest of the group options the step vote agrees on (docs/dist.md §5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from gefen.core.checked import options_word
+
+
+def _groups(**edits: Any) -> list[dict[str, Any]]:
+    group: dict[str, Any] = {"params": [torch.zeros(2)], "lr": 0.01, "betas": (0.9, 0.99)}
+    group.update(edits)
+    return [group, {"params": [], "lr": 0.02, "fused": None}]
+
+
+def test_equal_options_give_equal_words_and_any_edit_changes_it() -> None:
+    word = options_word(_groups())
+    assert 0 <= word < 2**56  # negation and MAX stay inside int64
+    assert options_word(_groups()) == word
+    assert options_word(_groups(lr=0.011)) != word
+    assert options_word(_groups(betas=(0.9, 0.98))) != word
+    assert options_word(_groups(betas=[0.9, 0.99])) != word  # the type is part of the value
+    assert options_word(_groups(lr=1)) != options_word(_groups(lr=1.0))
+    assert options_word(_groups(extra="x")) != word
+    assert options_word(list(reversed(_groups()))) != word  # group order matters
+
+
+def test_what_differs_per_process_by_construction_is_left_out() -> None:
+    word = options_word(_groups())
+    assert options_word(_groups(params=[torch.ones(3)], param_names=["a"])) == word
+    # key order inside a group is not an option
+    reordered = [dict(reversed(list(group.items()))) for group in _groups()]
+    assert options_word(reordered) == word
+    # an object is written by its type only: its repr may hold a per-process address
+    assert options_word(_groups(hook=lambda: 1)) == options_word(_groups(hook=lambda: 2))
+    # a tensor by dtype and shape: reading its value would synchronize a device
+    assert options_word(_groups(lr=torch.tensor(0.01))) == options_word(
+        _groups(lr=torch.tensor(0.5))
+    )
+    assert options_word(_groups(lr=torch.tensor(0.01))) != options_word(
+        _groups(lr=torch.tensor(0.01, dtype=torch.float64))
+    )
+
+
+def test_a_numpy_scalar_is_written_by_its_value() -> None:
+    assert options_word(_groups(lr=np.float32(0.5))) == options_word(_groups(lr=np.float32(0.5)))
+    assert options_word(_groups(lr=np.float32(0.5))) != options_word(_groups(lr=np.float32(0.25)))
