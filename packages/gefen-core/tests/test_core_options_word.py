@@ -13,7 +13,7 @@ from gefen.core.checked import options_word
 def _groups(**edits: Any) -> list[dict[str, Any]]:
     group: dict[str, Any] = {"params": [torch.zeros(2)], "lr": 0.01, "betas": (0.9, 0.99)}
     group.update(edits)
-    return [group, {"params": [], "lr": 0.02, "fused": None}]
+    return [group, {"params": [torch.zeros(1)], "lr": 0.02, "fused": None}]
 
 
 def test_equal_options_give_equal_words_and_any_edit_changes_it() -> None:
@@ -26,6 +26,18 @@ def test_equal_options_give_equal_words_and_any_edit_changes_it() -> None:
     assert options_word(_groups(lr=1)) != options_word(_groups(lr=1.0))
     assert options_word(_groups(extra="x")) != word
     assert options_word(list(reversed(_groups()))) != word  # group order matters
+
+
+def test_only_what_each_parameter_is_stepped_with_counts_not_the_grouping() -> None:
+    a, b = torch.zeros(2), torch.zeros(3)
+    one = [{"params": [a, b], "lr": 0.01}]
+    split = [{"params": [a], "lr": 0.01}, {"params": [b], "lr": 0.01}, {"params": [], "lr": 9.0}]
+    assert options_word(one) == options_word(split)
+    # parameter counts are the presence check's (and each optimizer's own checks') to compare
+    assert options_word(one) == options_word([{"params": [a], "lr": 0.01}])
+    assert options_word(split) != options_word(
+        [{"params": [a], "lr": 0.01}, {"params": [b], "lr": 0.02}]
+    )
 
 
 def test_what_differs_per_process_by_construction_is_left_out() -> None:

@@ -63,18 +63,26 @@ def _option_text(value: Any) -> str:
 
 
 def options_word(groups: Iterable[Mapping[Any, Any]]) -> int:
-    """A 56-bit digest of every group's options in group order (keys sorted, ``params`` and
-    ``param_names`` left out): the step vote agrees on it, so an option edited on one
-    process-group member alone fails every member before anything runs (docs/dist.md §5)."""
-    text = "|".join(
-        ";".join(
+    """A 56-bit digest of the options each parameter is stepped with, in parameter order (keys
+    sorted, ``params`` and ``param_names`` left out): the step vote agrees on it, so an option
+    edited on one process-group member alone fails every member before anything runs
+    (docs/dist.md §5). Adjacent groups with equal options count as one and parameter counts are
+    left out (the presence check and the optimizers' own checks compare those), so how the
+    parameters are split into groups is not compared, only the options they are stepped with."""
+    runs: list[str] = []
+    for group in groups:
+        count = len(group.get("params", ()))
+        if count == 0:
+            continue  # an empty group steps nothing
+        text = ";".join(
             f"{key!s}={_option_text(value)}"
             for key, value in sorted(group.items(), key=lambda item: str(item[0]))
             if key != "params" and key != "param_names"
         )
-        for group in groups
-    )
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+        if not runs or runs[-1] != text:
+            runs.append(text)
+    digest = hashlib.blake2b("|".join(runs).encode(), digest_size=7)
+    return int.from_bytes(digest.digest(), "big")
 
 
 class _Held:
