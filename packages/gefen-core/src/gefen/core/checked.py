@@ -47,14 +47,20 @@ def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(token)
 
 
+_PLAIN_OPTION_TYPES = frozenset({type(None), bool, int, float, str})
+"""Types whose repr is the same in every process and tells them apart (``1``, ``1.0``, ``True``,
+``'1'``), so their repr alone is their text."""
+
+
 def _option_text(value: Any) -> str:
-    """A value as every process writes it alike: plain values by type and repr, sequences item
-    by item, a tensor by dtype and shape (reading its value would synchronize a device), any
+    """A value as every process writes it alike: a plain value by its repr, sequences item by
+    item, a tensor by dtype and shape (reading its value would synchronize a device), any
     other object by its type only (its repr may hold a per-process address)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return f"{type(value).__name__}:{value!r}"
+    if type(value) in _PLAIN_OPTION_TYPES:
+        return repr(value)
     if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__}({','.join(_option_text(item) for item in value)})"
+        items = ",".join(_option_text(item) for item in value)
+        return f"({items})" if isinstance(value, tuple) else f"[{items}]"
     if isinstance(value, Tensor):
         return f"tensor:{value.dtype}:{tuple(value.shape)}"
     if isinstance(value, numbers.Real):  # a NumPy scalar: its value, as the step reads it
@@ -71,8 +77,7 @@ def options_word(groups: Iterable[Mapping[Any, Any]]) -> int:
     parameters are split into groups is not compared, only the options they are stepped with."""
     runs: list[str] = []
     for group in groups:
-        count = len(group.get("params", ()))
-        if count == 0:
+        if not group.get("params"):
             continue  # an empty group steps nothing
         text = ";".join(
             f"{key!s}={_option_text(value)}"

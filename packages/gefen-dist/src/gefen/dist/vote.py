@@ -121,9 +121,8 @@ def _agreement(
             f"agreement {what!r} needs {AGREEMENT_WIDTH} int words, each strictly between "
             f"-2**63 and 2**63, got {words!r}"
         )
-    if problem is not None:
-        named = subjects if len(subjects) == AGREEMENT_WIDTH else (str(what),) * AGREEMENT_WIDTH
-        return named, (0,) * AGREEMENT_WIDTH, problem
+    if problem is not None:  # this member's vote fails, so no subject is ever reported
+        return ("",) * AGREEMENT_WIDTH, (0,) * AGREEMENT_WIDTH, problem
     return subjects, words, None
 
 
