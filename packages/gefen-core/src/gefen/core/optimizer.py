@@ -67,22 +67,25 @@ class _PlannedUpdate:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    """Phase 4's plan: the updates in order and each group's scalars (by group index)."""
+    """Phase 4's plan: the updates in order and each group's scalars on each device its
+    updates run on (by group index and device)."""
 
     updates: list[_PlannedUpdate]
-    scalars: dict[int, StepScalars]
+    scalars: dict[tuple[int, Any], StepScalars]
 
     def __iter__(self) -> Iterator[_PlannedUpdate]:
         return iter(self.updates)
 
 
-def group_step_scalars(group: Mapping[str, Any]) -> StepScalars:
-    """A group's update scalars (a tensor ``lr`` is read here, one host sync)."""
+def group_step_scalars(group: Mapping[str, Any], codebook: Tensor | None = None) -> StepScalars:
+    """A group's update scalars with ``codebook`` (a tensor ``lr`` is read here, one host
+    sync)."""
     return StepScalars(
         lr=_lr_value(group["lr"]),
         betas=(float(group["betas"][0]), float(group["betas"][1])),
         eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
+        codebook=codebook,
         factored_floor=bool(group["factored_floor"]),
         nesterov=bool(group["nesterov"]),
     )
@@ -292,12 +295,12 @@ class Gefen(OptimizerShell):
         steady = self.__dict__.get("_steady")
         cached: tuple[Any, list[_PlannedUpdate]] = self.__dict__.get("_plan") or (None, [])
         if steady is not None and cached[0] is steady and not learning.periods:
-            return _StepPlan(cached[1], self._step_scalars(cached[1]))
+            return _StepPlan(cached[1], self._step_scalars(cached[1], learning))
         updates = self._planned_updates(learning)
         # Seeds move with the global step: a stochastic plan is rebuilt every step.
         stochastic = any(update.seed is not None for update in updates)
         self._plan = None if stochastic or steady is None else (steady, updates)
-        return _StepPlan(updates, self._step_scalars(updates))
+        return _StepPlan(updates, self._step_scalars(updates, learning))
 
     def _planned_updates(self, learning: StagedLearning) -> list[_PlannedUpdate]:
         plan: list[_PlannedUpdate] = []
@@ -321,13 +324,21 @@ class Gefen(OptimizerShell):
                 )  # fmt: skip
         return plan
 
-    def _step_scalars(self, updates: list[_PlannedUpdate]) -> dict[int, StepScalars]:
-        """Each group's scalars, read once per step and only for a group with an update (a
-        group with nothing to update never syncs on its tensor lr)."""
-        scalars: dict[int, StepScalars] = {}
+    def _step_scalars(
+        self, updates: list[_PlannedUpdate], learning: StagedLearning
+    ) -> dict[tuple[int, Any], StepScalars]:
+        """Each group's scalars with the codebook the commit publishes (a codebook8 group's),
+        read once per step for each device the group's updates run on, and only for a group
+        with an update (a group with nothing to update never syncs on its tensor lr)."""
+        codebook = learning.codebook if learning.codebook is not None else self._codebook
+        scalars: dict[tuple[int, Any], StepScalars] = {}
         for update in updates:
-            if update.position[0] not in scalars:
-                scalars[update.position[0]] = group_step_scalars(update.group)
+            key = (update.position[0], update.local.device)
+            if key not in scalars:
+                bound = None
+                if codebook is not None and group_uses_codebook(update.group):
+                    bound = codebook.to(key[1])
+                scalars[key] = group_step_scalars(update.group, bound)
         return scalars
 
     def _entry_if_live(self, group: Mapping[str, Any], param: Tensor) -> dict[str, Any] | None:
@@ -374,7 +385,6 @@ class Gefen(OptimizerShell):
 
     def _commit_step(self, plan: Any) -> None:
         """Phase 5: one parameter at a time, its state and value updated in their own storage."""
-        bound = self._scalars_with_codebook(plan)
         # by id: a Tensor's own __hash__ is a Python call; the key lives only for this step
         bound_updates: Mapping[int, Updater] = self.__dict__.get("_gradient_sums") or {}
         for planned in plan.updates:
@@ -382,30 +392,12 @@ class Gefen(OptimizerShell):
             grad = planned.param.grad
             if type(grad) is not Tensor:
                 grad = local_tensor(grad)
-            scalars = bound[(planned.position[0], planned.local.device)]
+            scalars = plan.scalars[(planned.position[0], planned.local.device)]
             if planned.seed is not None:
                 scalars = replace(scalars, seed=planned.seed)
             # the kernel bound to the sums the preflight computed, else the selected one
             update = bound_updates.get(id(planned.param)) or planned.updater or eager_update_
             update(planned.local, grad, entry, scalars)
-
-    def _scalars_with_codebook(self, plan: _StepPlan) -> dict[tuple[int, Any], StepScalars]:
-        """Each group's scalars with the codebook on each device it is used on (a group whose
-        codec is "none": the scalars as they are)."""
-        codebook = self._codebook if self.uses_codebook else None
-        codebooks: dict[Any, Tensor] = {}
-        bound: dict[tuple[int, Any], StepScalars] = {}
-        for planned in plan.updates:
-            key = (planned.position[0], planned.local.device)
-            if key in bound:
-                continue
-            scalars = plan.scalars[key[0]]
-            if codebook is not None and group_uses_codebook(planned.group):
-                if key[1] not in codebooks:
-                    codebooks[key[1]] = codebook.to(key[1])
-                scalars = replace(scalars, codebook=codebooks[key[1]], seed=None)
-            bound[key] = scalars
-        return bound
 
     # -- contract (§10) ---------------------------------------------------------------------
 

@@ -225,10 +225,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels; the
         structural ones only when the steady-state token changed (``gefen.core.steady``)."""
-        self.check_latch()
-        token = None
-        if self._binding is None:
-            token = step_token(self.param_groups, self.state, self.defaults)
+        if self._commit_failed:  # a child of the hybrid is checked here, not by the transaction
+            self.check_latch()
+        groups, binding = self.param_groups, self._binding
+        token = step_token(groups, self.state, self.defaults) if binding is None else None
         self._validate_changed_groups()  # option values: every step (schedules change them)
         if not same_token(token, self.__dict__.get("_steady")):
             self._steady = None
@@ -238,7 +238,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         # Reads the commit needs that prove finiteness (by _select_kernels) run in the check.
         reductions, factored = self.__dict__.get("_reductions"), self.__dict__.get("_factored", ())
         self._gradient_sums = (
-            {} if amp_present else check_finite_gradients(self.param_groups, reductions, factored)
+            {} if amp_present else check_finite_gradients(groups, reductions, factored)
         )
 
     def gradient_presence(self) -> list[bool]:

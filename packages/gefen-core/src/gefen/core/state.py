@@ -253,13 +253,17 @@ def _check_momentum(check: _EntryCheck, entry: Mapping[str, Any], grid: tuple[in
     return "fp32"
 
 
-def counters_fit(entry: Mapping[str, Any]) -> bool:
+def counters_fit(*entries: Mapping[str, Any]) -> bool:
     """``_check_counters``' rules, cheap enough for every entry at every step (the step token
     and the entry match leave the counter values out, since the commit advances them): an edit
     such as a warm restart's ``state[p]["step"] = 0`` below ``v_step`` takes the full checks,
-    which refuse it by name before anything changes. True for an entry with no counters."""
-    step, v_step = entry.get("step", 1), entry.get("v_step", 0)
-    return type(step) is int and type(v_step) is int and 0 <= v_step <= step and step >= 1
+    which refuse it by name before anything changes. True for an entry with no counters; one
+    call checks all ``entries`` (the step token checks the whole model's in one)."""
+    for entry in entries:
+        step, v_step = entry.get("step", 1), entry.get("v_step", 0)
+        if not (type(step) is int and type(v_step) is int and 0 <= v_step <= step and step >= 1):
+            return False
+    return True
 
 
 def _check_counters(check: _EntryCheck, entry: Mapping[str, Any]) -> tuple[int, int]:

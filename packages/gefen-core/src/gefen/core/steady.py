@@ -47,6 +47,7 @@ def step_token(
     key: list[Any] = [defaults.get("momentum_codec"), defaults.get("fused")]
     key.append(defaults.get("deterministic"))
     held: list[Any] = []
+    stepped: list[Mapping[str, Any]] = []  # the entries whose counters must fit
     for group in param_groups:
         params = group["params"]
         held.append(group)
@@ -86,8 +87,9 @@ def step_token(
                     key.append((name, value))
                 else:
                     key.append(name)  # the commit advances the counters: their presence only
-            if not counters_fit(entry):
-                return None  # an edited counter: the full checks refuse it by name
+            stepped.append(entry)
+    if not counters_fit(*stepped):
+        return None  # an edited counter: the full checks refuse it by name
     return tuple(key), held
 
 
