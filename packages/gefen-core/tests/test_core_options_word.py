@@ -40,6 +40,17 @@ def test_only_what_each_parameter_is_stepped_with_counts_not_the_grouping() -> N
     )
 
 
+def test_the_binding_form_counts_empty_groups_too() -> None:
+    # After post_sharding a whole-parameter owner's group is empty on every other member: the
+    # binding form's header compares every group's options, held parameters or not.
+    owner = [{"params": [torch.zeros(2)], "lr": 0.01}, {"params": [], "lr": 0.02}]
+    other = [{"params": [], "lr": 0.01}, {"params": [torch.zeros(3)], "lr": 0.02}]
+    assert options_word(owner, empty_groups=True) == options_word(other, empty_groups=True)
+    assert options_word(owner) != options_word(other)
+    edited = [{"params": [], "lr": 0.01}, {"params": [torch.zeros(3)], "lr": 0.03}]
+    assert options_word(owner, empty_groups=True) != options_word(edited, empty_groups=True)
+
+
 def test_what_differs_per_process_by_construction_is_left_out() -> None:
     word = options_word(_groups())
     assert options_word(_groups(params=[torch.ones(3)], param_names=["a"])) == word

@@ -402,6 +402,22 @@ def scenario_codebook_edit(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+def scenario_option_edit(rank: int, world_size: int, cls: str) -> dict[str, Any]:
+    """An option edited on one rank only, at a steady step (the codebook exists, no refresh is
+    due): the step header's ``group_options`` word sees it."""
+    scoped = Scoped(rank, cls=cls)
+    scoped.train(range(2))
+    group = scoped.opt.param_groups[0]
+    kept = group["lr"]
+    if rank == 1:
+        group["lr"] = kept * 2
+    scoped.set_grad(3)
+    result = _rejected(scoped.opt, scoped.opt.step)
+    group["lr"] = kept
+    result["after"] = _steps(scoped)
+    return result
+
+
 def _same_entries(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if set(a) != set(b):
         return False
@@ -677,6 +693,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("two_steps_apart", scenario_step_apart, (0, "GefenMuon")),
     ("gefen_step_apart", scenario_step_apart, (1, "Gefen")),
     ("codebook_edit", scenario_codebook_edit, ()),
+    ("option_edit", scenario_option_edit, ("Gefen",)),
+    ("option_edit_muon", scenario_option_edit, ("GefenMuon",)),
     ("load_while_stepping", scenario_load_while_stepping, ()),
     ("checkpoint_reload", scenario_checkpoint_codebook_reload, ()),
     ("checkpoint_binding", scenario_checkpoint_binding, ()),
@@ -900,6 +918,17 @@ def test_codebook_changed_on_one_rank_fails_the_next_header(world: ScenarioWorld
     results = _both(world, "codebook_edit")
     for result in results:
         assert result["error"] == _header_error("Gefen", "codebook_fingerprint")
+    _fast_and_unchanged(*results)
+    _same_after(results, 3)
+
+
+@pytest.mark.parametrize("cls", ["Gefen", "GefenMuon"])
+def test_an_option_edited_on_one_rank_fails_the_next_header(world: ScenarioWorld, cls: str) -> None:
+    # It used to pass unseen in the binding form: the ranks stepped with different lr and
+    # their replicated parameters silently diverged.
+    results = _both(world, "option_edit" if cls == "Gefen" else "option_edit_muon")
+    for result in results:
+        assert result["error"] == _header_error(cls, "group_options")
     _fast_and_unchanged(*results)
     _same_after(results, 3)
 

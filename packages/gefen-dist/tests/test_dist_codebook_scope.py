@@ -149,7 +149,7 @@ def test_header_word_names_label_every_payload_word() -> None:
     assert HEADER_WORD_NAMES[6:10] == ("scope_fingerprint",) * 4
     assert HEADER_WORD_NAMES[10:14] == ("manifest_fingerprint",) * 4
     assert HEADER_WORD_NAMES[14:18] == ("codebook_fingerprint",) * 4
-    assert HEADER_WORD_NAMES[18:] == ("gradient_presence", "gradient_presence", "reserved")
+    assert HEADER_WORD_NAMES[18:] == ("gradient_presence", "gradient_presence", "group_options")
 
 
 def test_payload_layout_follows_the_table() -> None:
@@ -166,13 +166,30 @@ def test_payload_layout_follows_the_table() -> None:
         manifest_fingerprint=manifest,
         codebook_fingerprint=codebook,
         agreement=presence_words([True, None, False]),
+        options=2**55 + 7,
     )
     assert len(payload) == 21
     assert payload[:6] == (41, 1, 0, 10, 0, 3)
     assert payload[6:10] == fingerprint_words(scope)
     assert payload[10:14] == fingerprint_words(manifest)
     assert payload[14:18] == fingerprint_words(codebook)
-    assert payload[18:] == (*presence_words([True, None, False]), 0)
+    assert payload[18:] == (*presence_words([True, None, False]), 2**55 + 7)
+
+
+@pytest.mark.parametrize(("options", "error"), [(-1, ValueError), (1.0, TypeError)])
+def test_the_options_word_is_a_non_negative_int(options: object, error: type) -> None:
+    with pytest.raises(error, match=r"^options must be"):
+        codebook_header_payload(
+            global_step=0,
+            codebook_present=False,
+            deterministic=True,
+            refresh_every=0,
+            local_shard_count=0,
+            scope_fingerprint=None,
+            manifest_fingerprint=None,
+            codebook_fingerprint=None,
+            options=options,  # type: ignore[arg-type]
+        )
 
 
 def test_absent_fingerprints_are_zeros() -> None:

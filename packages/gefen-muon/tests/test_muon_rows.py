@@ -116,8 +116,26 @@ def _int16_codes(sd: dict[str, Any], rank: int) -> None:
     sd["state"][1]["momentum_codes"] = sd["state"][1]["momentum_codes"].to(torch.int16)
 
 
+def _manifest_items(value: Any) -> list[dict[str, Any]]:
+    """Every parameter record of the consolidation manifest, wherever the file keeps it."""
+    if isinstance(value, dict):
+        found = [value] if "state_keys" in value else []
+        return found + [item for child in value.values() for item in _manifest_items(child)]
+    if isinstance(value, list):
+        return [item for child in value for item in _manifest_items(child)]
+    return []
+
+
+def _extra_rows(sd: dict[str, Any], rank: int) -> None:
+    # An extra DTensor key, listed in the manifest too, so the rows check itself must see it.
+    sd["state"][1]["momentum_extra"] = sd["state"][1]["momentum_codes"]
+    (item,) = [item for item in _manifest_items(sd) if item["saved_id"] == 1]
+    item["state_keys"] = sorted([*item["state_keys"], "momentum_extra"])
+
+
 MISFITS = {
     "cut": _cut_on_rank_one,
+    "extra": _extra_rows,
     "dtype": _int16_codes,
     "replicated": _replicated,
     "nan": _nan_scale_on_rank_one,
@@ -194,6 +212,7 @@ FAILED_THERE = (
         ("replicated", (0, 1), "'momentum_codes' must be sharded Shard(0) on its parameter's"),
         ("nan", (0, 1), "'momentum_scale' must be finite"),
         ("dtype", (0, 1), "'momentum_codes' must be torch.uint8, got torch.int16"),
+        ("extra", (0, 1), "unexpected key 'momentum_extra'"),
         ("step", (0, 1), "'step' 99 exceeds 3"),
     ],
 )

@@ -68,16 +68,20 @@ def _option_text(value: Any) -> str:
     return f"object:{type(value).__module__}.{type(value).__qualname__}"
 
 
-def options_word(groups: Iterable[Mapping[Any, Any]]) -> int:
+def options_word(groups: Iterable[Mapping[Any, Any]], *, empty_groups: bool = False) -> int:
     """A 56-bit digest of the options each parameter is stepped with, in parameter order (keys
     sorted, ``params`` and ``param_names`` left out): the step vote agrees on it, so an option
     edited on one process-group member alone fails every member before anything runs
     (docs/dist.md §5). Adjacent groups with equal options count as one and parameter counts are
     left out (the presence check and the optimizers' own checks compare those), so how the
-    parameters are split into groups is not compared, only the options they are stepped with."""
+    parameters are split into groups is not compared, only the options they are stepped with.
+
+    ``empty_groups``: count a group with no parameters too. After ``post_sharding`` every
+    member keeps every group but holds only its own shards (a whole-parameter owner's group is
+    empty elsewhere), so the binding form's header compares every group (docs/dist.md §9.2)."""
     runs: list[str] = []
     for group in groups:
-        if not group.get("params"):
+        if not empty_groups and not group.get("params"):
             continue  # an empty group steps nothing
         text = ";".join(
             f"{key!s}={_option_text(value)}"

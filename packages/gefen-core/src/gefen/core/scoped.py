@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from gefen.contracts import ParameterLayout, ShardIdentity
+from gefen.core.checked import options_word
 from gefen.core.learning import StagedLearning, build_histogram, remap_table, solve_new_codebook
 from gefen.core.options import codebook_size, group_uses_codebook
 from gefen.dist import (
@@ -142,12 +143,16 @@ def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
 
     A step that learns nothing exchanges no contribution record (§9.6), so the header carries the
     presence pattern; it is in every header so that its words never differ by anything but the
-    pattern."""
+    pattern. The options digest rides in it too (``checked.options_word``: an option edited on
+    one member fails every member before anything changes, as the mesh form's vote does)."""
     finalized = optimizer.finalized
     if optimizer.binding is None or finalized is None:
         return None
     presence = presence_words(finalized.presence_pattern())
-    return _header_words(optimizer, finalized, optimizer.global_step, optimizer.codebook, presence)
+    options = options_word(optimizer.param_groups, empty_groups=True)
+    return _header_words(
+        optimizer, finalized, optimizer.global_step, optimizer.codebook, presence, options
+    )
 
 
 def load_header_payload(
@@ -167,6 +172,7 @@ def _header_words(
     global_step: int,
     codebook: Tensor | None,
     agreement: tuple[int, int],
+    options: int = 0,
 ) -> list[int]:
     digest = None if codebook is None else codebook_fingerprint_of(codebook)
     return list(
@@ -180,5 +186,6 @@ def _header_words(
             manifest_fingerprint=finalized.manifest_fingerprint,
             codebook_fingerprint=digest,
             agreement=agreement,
+            options=options,
         )
     )

@@ -60,7 +60,7 @@ HEADER_WORD_NAMES: tuple[str, ...] = (
     *(("manifest_fingerprint",) * 4),
     *(("codebook_fingerprint",) * 4),
     *(("gradient_presence",) * 2),
-    "reserved",
+    "group_options",
 )
 assert len(HEADER_WORD_NAMES) == HEADER_PAYLOAD_WORDS
 
@@ -149,13 +149,15 @@ def codebook_header_payload(
     manifest_fingerprint: bytes | None,
     codebook_fingerprint: bytes | None,
     agreement: tuple[int, int] = (0, 0),
+    options: int = 0,
 ) -> tuple[int, ...]:
     """The 21 payload words of a codebook operation header, labelled by ``HEADER_WORD_NAMES``
     (``LOAD_HEADER_WORD_NAMES`` for a load).
 
     ``agreement`` fills words 21-22: ``gefen.dist.presence_words`` of the gradient presence the
-    members must agree on (initialize, refresh, step), or a load's replicated-state words
-    (docs/dist.md §9.2)."""
+    members must agree on (initialize, refresh, step), or a load's replicated-state words;
+    ``options`` fills word 23: the digest of the group options the members must agree on
+    (initialize, refresh, step; 0 in a load's header). docs/dist.md §9.2."""
     if type(agreement) is not tuple or len(agreement) != 2:
         raise TypeError(f"agreement must be a pair of ints, got {agreement!r:.80}")
     words = (
@@ -170,7 +172,7 @@ def codebook_header_payload(
         *fingerprint_words(codebook_fingerprint),
         _count("agreement", agreement[0]),
         _count("agreement", agreement[1]),
-        0,
+        _count("options", options),
     )
     assert len(words) == HEADER_PAYLOAD_WORDS
     return words
