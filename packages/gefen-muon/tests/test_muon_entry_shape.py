@@ -113,6 +113,25 @@ def test_momentum_codes_put_in_with_other_strides_are_refused_before_any_write(
     _trains(optimizer, param)
 
 
+def test_momentum_codes_transposed_in_place_are_refused_before_any_write() -> None:
+    """The same object with the same shape: the steady-state token kept no strides, so the
+    fast path read the codes out of order (fresh, the same entry was refused)."""
+    optimizer, param = _stepped((8, 8))
+    codes = optimizer.state[param]["momentum_codes"]
+    good = codes.clone()
+    rows, cols = codes.shape
+    codes.as_strided_((rows, cols), (1, rows))
+    param.grad = torch.randn(8, 8)
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    value_before = param.detach().clone()
+    with pytest.raises(RuntimeError, match="'momentum_codes' must be contiguous"):
+        optimizer.step()
+    assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    assert torch.equal(value_before, param.detach())
+    codes.set_(good)
+    _trains(optimizer, param)
+
+
 def test_a_checkpoint_written_before_the_width_was_recorded_loads_and_records_it() -> None:
     source, _ = _stepped((16, 8), seed=3)
     legacy = copy.deepcopy(source.state_dict())

@@ -12,6 +12,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
@@ -23,40 +24,67 @@ if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
 
 __all__ = [
+    "PLAIN_VALUE_TYPES",
     "entry_signature",
     "match_changed_entries",
     "options_token",
     "options_word",
     "revalidate_changed_groups",
+    "value_key",
 ]
 
 
+PLAIN_VALUE_TYPES = frozenset({type(None), bool, int, float, str})
+"""Types compared by value (their ``==`` is plain) and written by their repr, which is the same
+in every process and tells them apart (``1``, ``1.0``, ``True``, ``'1'``)."""
+
+
 def options_token(group: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What identifies a group's option values: type and value (a list's items, copied), or a
-    tensor's identity and version (an LR scheduler's ``fill_`` bumps it)."""
-    token: list[tuple[Any, ...]] = []
+    """What identifies a group's option values (``value_key``): a tensor by its identity and
+    version (an LR scheduler's ``fill_`` bumps it), anything else as ``value_key`` writes it."""
+    token: list[Any] = []
+    held: list[Any] = []
     for name, value in group.items():  # a loop, not a generator: this runs every step
         if name == "params" or name == "param_names":
             continue
-        if isinstance(value, Tensor):
-            token.append((name, type(value), id(value), tensor_version(value)))
-        elif type(value) is list:  # a copy: ``group["betas"][1] = nan`` edits the list itself
-            token.append((name, list, tuple(value)))
+        kind = type(value)
+        if kind in PLAIN_VALUE_TYPES:
+            token.append((name, kind, value))
+        elif isinstance(value, Tensor):
+            token.append((name, kind, id(value), tensor_version(value)))
         else:
-            token.append((name, type(value), value))
+            token.append((name, value_key(value, held)))
+    if held:  # alive while the token is, so no id in it is reused meanwhile
+        token.append(_Held(tuple(held)))
     return tuple(token)
 
 
-_PLAIN_OPTION_TYPES = frozenset({type(None), bool, int, float, str})
-"""Types whose repr is the same in every process and tells them apart (``1``, ``1.0``, ``True``,
-``'1'``), so their repr alone is their text."""
+def value_key(value: Any, held: list[Any]) -> tuple[Any, ...]:
+    """How the step's caches compare a value: a plain value (None, bool, int, float, str) by
+    its type and value, a tuple or list item by item (a copy: ``group["betas"][1] = nan``
+    edits the list itself), a tensor by identity and version, any other object by its type
+    and identity, since its ``==`` may be element-wise (an array's is). What is compared by
+    identity is appended to ``held``, which the caller keeps alive with the key."""
+    kind = type(value)
+    if kind in PLAIN_VALUE_TYPES:
+        return (kind, value)
+    if kind is tuple or kind is list:
+        items: list[tuple[Any, ...]] = []
+        for item in value:  # a loop: betas take this path at every step
+            plain = type(item) in PLAIN_VALUE_TYPES
+            items.append((type(item), item) if plain else value_key(item, held))
+        return (kind, tuple(items))
+    held.append(value)
+    if isinstance(value, Tensor):
+        return (kind, id(value), tensor_version(value))
+    return (kind, id(value))
 
 
 def _option_text(value: Any) -> str:
     """A value as every process writes it alike: a plain value by its repr, sequences item by
     item, a tensor by dtype and shape (reading its value would synchronize a device), any
     other object by its type only (its repr may hold a per-process address)."""
-    if type(value) in _PLAIN_OPTION_TYPES:
+    if type(value) in PLAIN_VALUE_TYPES:
         return repr(value)
     if isinstance(value, (tuple, list)):
         items = ",".join(_option_text(item) for item in value)
@@ -120,9 +148,11 @@ def entry_signature(
     for key, value in entry.items():  # one pass: this runs for every parameter every step
         if isinstance(value, Tensor):
             held.append(value)
-            values.append((key, id(value), value.shape, value.dtype))  # Size compares as tuple
-        elif key != "step" and key != "v_step":
-            values.append((key, value))
+            # the strides too: an in-place t_() or set_() keeps the object and its shape
+            layout = value.stride() if value.layout is torch.strided else value.layout
+            values.append((key, id(value), value.shape, value.dtype, layout))
+        elif key != "step" and key != "v_step":  # typed: a period of 8.0 is not 8
+            values.append((key, value_key(value, held)))
         else:  # the commit advances the counters: their presence here, their values below
             values.append((key,))
     codec = group.get("momentum_codec")

@@ -87,8 +87,8 @@ def real_value(value: object) -> float | None:
         return -math.inf if str(value).startswith("-") else math.inf  # a huge int or Fraction
 
 
-def check_lr(lr: object) -> None:
-    """A float >= 0 (0 allowed), or a 1-element floating tensor holding one."""
+def check_lr(lr: object) -> float:
+    """A float >= 0 (0 allowed), or a 1-element floating tensor holding one; returns it."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
@@ -101,6 +101,7 @@ def check_lr(lr: object) -> None:
         raise ValueError(f"Invalid learning rate: {lr!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"Invalid learning rate: {lr!r}")
+    return value
 
 
 def check_betas(betas: object) -> tuple[float, float]:
@@ -258,7 +259,8 @@ def _same_option(a: object, b: object) -> bool:
 
 def lr_value(lr: object) -> float:
     """A group lr as a Python float (a tensor lr costs one host read; read it once per group
-    per step)."""
+    per step). A tensor lr is checked again at this read: a write through ``.data`` or NumPy
+    leaves its version, which the preflight's option check watches, as it was."""
     if isinstance(lr, torch.Tensor):
-        return float(lr.detach().reshape(()).item())
+        return check_lr(lr)
     return float(lr)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from gefen.core.checked import PLAIN_VALUE_TYPES, value_key
 from gefen.core.state import counters_fit
 
 __all__ = ["SteadyToken", "plain_parameters", "same_token", "step_token"]
@@ -38,9 +39,10 @@ def step_token(
 ) -> SteadyToken | None:
     """The steady-state token of this step's inputs, or None (a DTensor or another tensor
     subclass is present: no fast path). Options compare by name and type (numbers and tensors)
-    or value (flags, names); entries by identity, their tensors by identity, shape, dtype and
-    device, their other values but the counters by value (the counters by presence, and their
-    values by ``state.counters_fit``: an edited counter gets None, so the full checks name it)."""
+    or as ``checked.value_key`` writes them (flags, names); entries by identity, their tensors by
+    identity, shape, dtype, device and strides, their other values but the counters by type and
+    value (the counters by presence, and their values by ``state.counters_fit``: an edited
+    counter gets None, so the full checks name it)."""
     entries: dict[int, Any] = {}
     for param, entry in state.items():  # by id: a Tensor key would hash in Python every time
         entries[id(param)] = entry
@@ -63,8 +65,10 @@ def step_token(
                 key.append((name, kind))
             elif kind is tuple or kind is list:
                 key.append((name, kind, len(value)))
-            else:
+            elif kind in PLAIN_VALUE_TYPES:
                 key.append((name, kind, value))
+            else:
+                key.append((name, value_key(value, held)))
         for param in params:
             grad = param.grad
             if type(param) not in _PLAIN or (grad is not None and type(grad) is not Tensor):
@@ -80,13 +84,17 @@ def step_token(
                 continue
             held.append(entry)
             for name, value in entry.items():
-                if type(value) is Tensor:
+                if isinstance(value, Tensor):
                     held.append(value)
-                    key.append((name, id(value), value.shape, value.dtype, value.device))
-                elif name != "step" and name != "v_step":
-                    key.append((name, value))
-                else:
+                    # the strides too: an in-place t_() or set_() keeps the object and shape
+                    layout = value.stride() if value.layout is torch.strided else value.layout
+                    key.append((name, id(value), value.shape, value.dtype, value.device, layout))
+                elif name == "step" or name == "v_step":
                     key.append(name)  # the commit advances the counters: their presence only
+                elif type(value) in PLAIN_VALUE_TYPES:  # typed: a period of 8.0 is not 8
+                    key.append((name, type(value), value))
+                else:
+                    key.append((name, value_key(value, held)))
             stepped.append(entry)
     if not counters_fit(*stepped):
         return None  # an edited counter: the full checks refuse it by name
