@@ -76,6 +76,28 @@ def test_a_fresh_hybrid_resumes_a_dcp_file_bit_exactly(
     assert _same_params(model, twin_model)
 
 
+@pytest.mark.parametrize("backend", ["gefen", "adamw"])
+def test_a_fresh_hybrid_whose_state_was_read_resumes_a_dcp_file_bit_exactly(
+    backend: str, tmp_path: Path
+) -> None:
+    # A read of a fresh AdamW entry (a logging callback's state[p].get("step")) stores {} in
+    # torch's defaultdict: the template offered no tensors for it, DCP filled none, and that
+    # parameter's moments silently restarted from zero.
+    model, hybrid = _hybrid(backend, {})
+    _train(model, hybrid, range(3))
+    twin_model, twin = _hybrid(backend, {})
+    twin_model.load_state_dict(model.state_dict())
+    for param in twin_model.parameters():
+        twin.state[param].get("step")
+    _round_trip(model, hybrid, twin, twin_model, tmp_path)
+    assert [sorted(twin.state[p]) for p in twin_model.parameters()] == [
+        sorted(hybrid.state[p]) for p in model.parameters()
+    ]
+    _train(model, hybrid, range(3, 6))
+    _train(twin_model, twin, range(3, 6))
+    assert _same_params(model, twin_model)
+
+
 @pytest.mark.parametrize("options", [{}, {"normuon": True}, {"momentum_codec": "none"}])
 def test_a_fresh_gefen_muon_resumes_a_dcp_file_bit_exactly(
     options: dict[str, Any], tmp_path: Path

@@ -971,8 +971,9 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     [
         ({"differentiable": True}, "differentiable=True is not supported"),
         ({"foreach": True, "lr": torch.tensor(1e-3)}, "a tensor lr with foreach=True needs"),
+        ({"maximize": True}, "maximize=True is not supported"),
     ],
-    ids=["differentiable", "foreach-tensor-lr"],
+    ids=["differentiable", "foreach-tensor-lr", "maximize"],
 )
 @pytest.mark.parametrize("later", [False, True])
 def test_adamw_options_its_step_refuses_together_fail_before_either_half_changes(
@@ -997,6 +998,13 @@ def test_adamw_options_its_step_refuses_together_fail_before_either_half_changes
 def test_a_differentiable_adamw_backup_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="AdamW backup group 0: differentiable=True is not"):
         _hybrid(_model(), "adamw", backup_adamw_kwargs={"differentiable": True})
+
+
+def test_a_maximizing_adamw_backup_is_refused_at_construction() -> None:
+    # It was taken: the AdamW half climbed the loss while the Muon half descended it (a Gefen
+    # backup and a flagless group already refused maximize=True).
+    with pytest.raises(ValueError, match="AdamW backup group 0: maximize=True is not supported"):
+        _hybrid(_model(), "adamw", backup_adamw_kwargs={"maximize": True})
 
 
 def test_an_adamw_moment_of_another_shape_fails_before_either_half_changes() -> None:

@@ -562,6 +562,21 @@ def test_a_user_key_lives_in_the_first_child_and_round_trips(backend: str) -> No
     _stepped(hybrid)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_user_key_round_trips_when_the_backup_is_the_only_child(backend: str) -> None:
+    # With an AdamW backup and no Muon child, the hybrid refused its own checkpoint: "state
+    # holds entries for parameter ids no group lists: ['epoch']".
+    norm = nn.LayerNorm(4)
+    hybrid = GefenMuonHybrid(norm, lr=1e-2, backup_optimizer=backend, **FAST)
+    hybrid.state["epoch"] = 3
+    _stepped(hybrid)
+    saved = hybrid.state_dict()
+    twin = GefenMuonHybrid(nn.LayerNorm(4), lr=1e-2, backup_optimizer=backend, **FAST)
+    twin.load_state_dict(saved)
+    assert twin.state["epoch"] == 3
+    _stepped(twin)
+
+
 # --------------------------------------------------------------------------------------------
 # Momentum-cycling schedulers (§5)
 
@@ -624,6 +639,26 @@ def test_one_cycle_cycles_muon_momentum_and_the_backups_beta1_and_round_trips(
     twin.step()
     for ours, theirs in zip(_params(hybrid), _params(twin), strict=True):
         assert torch.equal(ours.detach(), theirs.detach())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_beta1_set_by_hand_after_the_schedulers_last_write_is_kept(backend: str) -> None:
+    # It was overwritten from ``momentum`` at every later step (torch's AdamW keeps it).
+    _, hybrid = _hybrid(backend, betas=(0.9, 0.99))
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    scheduler = OneCycleLR(hybrid, max_lr=1e-2, total_steps=3)
+    for step in range(3):
+        _stepped(hybrid, seed=400 + 10 * step)
+        scheduler.step()
+    group["betas"] = (0.5, 0.99)  # a second phase, by hand
+    for step in range(2):
+        _stepped(hybrid, seed=500 + 10 * step)
+        assert group["betas"] == (0.5, 0.99)
+    for muon_group in hybrid.param_groups:
+        muon_group["momentum"] = 0.7  # a scheduler's write again: followed
+    _stepped(hybrid, seed=600)
+    assert group["betas"] == (0.7, 0.99)
 
 
 def test_the_adamw_backup_under_the_hybrids_scheduler_matches_adamw_under_its_own() -> None:

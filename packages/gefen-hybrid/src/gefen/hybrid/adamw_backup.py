@@ -160,7 +160,9 @@ def _check_identifiers(
             f"writes them (got {ids[:8]}{'…' if len(ids) > 8 else ''}): a re-keyed checkpoint"
         )
     listed = set(expected)
-    unknown = sorted((key for key in state if type(key) is not int or key not in listed), key=repr)
+    # a key that is no parameter id is the user's (the hybrid's own, kept when the backup is
+    # its first child), as torch's load keeps it
+    unknown = sorted((key for key in state if type(key) is int and key not in listed), key=repr)
     if unknown:
         raise _reject(f"state holds entries for parameter ids no group lists: {unknown[:8]}")
     live = [param for group in backup.param_groups for param in group["params"]]

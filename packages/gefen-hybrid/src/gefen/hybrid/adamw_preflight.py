@@ -71,6 +71,8 @@ def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
         if not (type(value) is bool or (value is None and name in _OPTIONAL_FLAGS)):
             allowed = "a bool or None" if name in _OPTIONAL_FLAGS else "a bool"
             raise ValueError(f"{where}: {name} must be {allowed}, got {value!r}")
+    if group["maximize"]:  # the Muon half descends: half the model would climb the loss
+        raise ValueError(f"{where}: maximize=True is not supported")
     if group["differentiable"]:  # its step runs with grad on: an in-place write to a leaf
         raise ValueError(f"{where}: differentiable=True is not supported (the step would fail)")
     if group["foreach"] and isinstance(group.get("lr"), Tensor) and not group["capturable"]:

@@ -40,7 +40,9 @@ def with_unstarted_entries(backup: torch.optim.Optimizer, saved: dict[str, Any])
     """``saved`` (the backup's ``state_dict()``) with an entry for every parameter."""
     for group, indices in zip(backup.param_groups, torch_indices(backup.param_groups), strict=True):
         for index, param in zip(indices, group["params"], strict=True):
-            if index not in saved["state"]:
+            # an empty entry too: a read of a fresh ``state[p]`` (a defaultdict) stores {},
+            # and DCP fills only the tensors a template offers
+            if not saved["state"].get(index):
                 saved["state"][index] = _zero_entry(group, param)
     return saved
 

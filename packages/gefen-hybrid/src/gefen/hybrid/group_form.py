@@ -145,21 +145,32 @@ def check_scheduled_momentum(
             )
 
 
-def follow_scheduled_momentum(groups: Iterable[dict[str, Any]]) -> None:
-    """A backup group reads its beta1 from ``momentum`` when the group has one.
+def follow_scheduled_momentum(
+    groups: Iterable[dict[str, Any]], followed: Mapping[int, tuple[float, float]]
+) -> dict[int, tuple[float, float]]:
+    """A backup group reads its beta1 from ``momentum`` when the group has one and a new value
+    was written; returns each group's (momentum, beta1) after it, by group id, for ``followed``
+    at the next step.
 
     torch's momentum-cycling schedulers (``OneCycleLR``, ``CyclicLR`` with
     ``cycle_momentum=True``) write one key into every group, chosen from ``defaults``; the
     hybrid's are the Muon child's, so that key is ``momentum``. torch's Muon and AdamW, each
     under its own scheduler, cycle Muon's momentum and AdamW's beta1 alike; here the backup
-    groups follow ``momentum`` into ``betas`` before every step. A value no beta1 may take is
-    refused before anything is written."""
+    groups follow a newly written ``momentum`` into ``betas`` before the step. A beta1 set by
+    hand since the last step is kept, even when the scheduler also wrote (the common order:
+    its last write, then the user's), as torch's AdamW keeps a hand-set beta1. A value no
+    beta1 may take is refused before anything is written."""
     groups = list(groups)
     check_scheduled_momentum(groups)  # every group before any write
+    record: dict[int, tuple[float, float]] = {}
     for group in groups:
         if "momentum" not in group or "betas" not in group:
             continue
-        momentum = group["momentum"]
+        momentum = float(group["momentum"])
         beta1, beta2 = group["betas"]
-        if float(beta1) != float(momentum):
-            group["betas"] = (float(momentum), beta2)
+        last = followed.get(id(group))
+        newly_written = last is None or (momentum != last[0] and float(beta1) == last[1])
+        if newly_written and float(beta1) != momentum:
+            group["betas"] = (momentum, beta2)
+        record[id(group)] = (momentum, float(group["betas"][0]))
+    return record

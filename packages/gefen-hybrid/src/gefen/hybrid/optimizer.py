@@ -363,7 +363,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         groups = self.backup.param_groups if self.backup is not None else []
         before = [group.get("betas") for group in groups]
         try:
-            follow_scheduled_momentum(groups)
+            followed = follow_scheduled_momentum(groups, self.__dict__.get("_followed", {}))
             for _, participant in self._participants:
                 participant.validate_step_inputs(amp_present=amp_present)
         except BaseException:
@@ -371,6 +371,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                 if betas is not None:
                     group["betas"] = betas
             raise
+        self._followed = followed
 
     def gradient_presence(self) -> list[bool]:
         """Each child's presence pattern, Muon first (what the step vote agrees on)."""
