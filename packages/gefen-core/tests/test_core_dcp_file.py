@@ -271,3 +271,39 @@ def test_a_full_state_dict_loads_through_torch_into_a_fresh_optimizer() -> None:
     _train(twin, target, range(3, 5))
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+FLATTENED_HINT = (
+    "its groups hold exactly the live groups' keys, as a DCP state dict set with "
+    "StateDictOptions(flatten_optimizer_state_dict=True) does"
+)
+
+
+def test_a_flattened_dcp_state_dict_is_refused_naming_the_option(rejects: Any) -> None:
+    """torchtitan flattens by default. torch rebuilds a flattened state dict from the keys the
+    live optimizer holds, so a fresh Gefen receives no extras and no momentum: refused, as
+    before, but the message named only "another optimizer's checkpoint"."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = _Net(seed=0)
+    source = Gefen(model.parameters(), lr=0.01)
+    _train(model, source, range(2))
+    flat = get_optimizer_state_dict(model, source, options=options)
+    twin, target = _fresh({}, model)
+    rejects(
+        target,
+        lambda: set_optimizer_state_dict(twin, target, flat, options=options),
+        ValueError,
+        FLATTENED_HINT,
+    )
+
+
+def test_another_optimizers_checkpoint_gets_no_flattening_hint() -> None:
+    model = _Net(seed=0)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, adamw, range(1))  # type: ignore[arg-type]
+    _, target = _fresh({}, model)
+    with pytest.raises(ValueError, match="extras 'gefen' missing") as info:
+        target.load_state_dict(adamw.state_dict())
+    assert "flatten_optimizer_state_dict" not in str(info.value)

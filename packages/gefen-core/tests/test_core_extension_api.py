@@ -48,6 +48,7 @@ EXPECTED = {
     "every_rank_has_rows": "gefen.core.resharding",
     "extras_field": "gefen.core.contract",
     "finalized_training": "gefen.core.contract",
+    "flattened_dcp_hint": "gefen.core.template",
     "fused_momentum": "gefen.core.extension",
     "group_codecs": "gefen.core.options",
     "group_uses_codebook": "gefen.core.options",

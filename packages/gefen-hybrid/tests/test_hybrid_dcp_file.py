@@ -151,3 +151,24 @@ def test_a_full_state_dict_loads_through_torch_into_a_fresh_optimizer(case: str)
     _train(model, optimizer, range(3, 6))
     _train(twin_model, twin, range(3, 6))
     assert _same_params(model, twin_model)
+
+
+@pytest.mark.parametrize("backend", ["gefen", "adamw"])
+def test_a_flattened_dcp_state_dict_is_refused_naming_the_option(backend: str) -> None:
+    # torchtitan flattens by default; the message named only another optimizer's checkpoint.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, hybrid = _hybrid(backend, {})
+    _train(model, hybrid, range(2))
+    flat = get_optimizer_state_dict(model, hybrid, options=options)
+    twin_model, twin = _hybrid(backend, {})
+    for param in twin_model.parameters():
+        twin.state[param]  # torch's unflattening reads every entry: {} in AdamW's defaultdict
+    before = hybrid_snapshot(twin)
+    with pytest.raises(ValueError, match=r"StateDictOptions\(flatten_optimizer_state_dict=True\)"):
+        set_optimizer_state_dict(twin_model, twin, flat, options=options)
+    assert_same_hybrid(before, hybrid_snapshot(twin))
+    start = [param.detach().clone() for param in twin_model.parameters()]
+    _train(twin_model, twin, range(2))
+    assert all(not torch.equal(a, b) for a, b in zip(start, twin_model.parameters(), strict=True))

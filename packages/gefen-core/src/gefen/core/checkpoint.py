@@ -25,7 +25,7 @@ from gefen.core.resharding import check_row_periods
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
-from gefen.core.template import TEMPLATE_FORMAT, absorb_extras, absorb_state
+from gefen.core.template import TEMPLATE_FORMAT, absorb_extras, absorb_state, flattened_dcp_hint
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 from gefen.dist import (
@@ -200,7 +200,8 @@ class _Loader:
         if EXTRAS_KEY in self.sd:
             copies.insert(0, self.sd[EXTRAS_KEY])
         if not copies:
-            raise self.reject("extras 'gefen' missing (neither top-level nor in the groups)")
+            hint = flattened_dcp_hint(self.sd.get("param_groups"), self.optimizer.param_groups)
+            raise self.reject(f"extras 'gefen' missing (neither top-level nor in the groups){hint}")
         if any(not _equal(self.comparable(copies[0], other), other) for other in copies[1:]):
             raise self.reject("extras copies differ between the top level and the groups")
         extras = copies[0]

@@ -12,7 +12,8 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``HookedStepState`` (the step and load templates for a composite), ``copy_containers``;
 * state entries: ``CodecKeys``, ``EntrySpec``, ``allocate_entry``, ``is_initialized``,
   ``stage_entries`` / ``stage_entry``, ``absorb_entry`` (a format 2 entry as format 1) and
-  ``TEMPLATE_FORMAT``, ``PendingEntry`` (an entry a post-vote collective assembles),
+  ``TEMPLATE_FORMAT``, ``flattened_dcp_hint`` (why a load may lack its extras),
+  ``PendingEntry`` (an entry a post-vote collective assembles),
   ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
 * codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``, ``row_period``;
 * FSDP2 resharding: ``row_sharded_mesh``, ``every_rank_has_rows``, ``local_rows``;
@@ -61,7 +62,7 @@ from gefen.core.resharding import every_rank_has_rows, local_rows, row_sharded_m
 from gefen.core.saving import torch_indices
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
-from gefen.core.template import TEMPLATE_FORMAT, absorb_entry
+from gefen.core.template import TEMPLATE_FORMAT, absorb_entry, flattened_dcp_hint
 from gefen.core.transaction import (
     STEP_SIGNATURE,
     HookedStepState,
@@ -111,6 +112,7 @@ __all__ = [
     "every_rank_has_rows",
     "extras_field",
     "finalized_training",
+    "flattened_dcp_hint",
     "fused_momentum",
     "group_codecs",
     "group_uses_codebook",

@@ -41,6 +41,7 @@ __all__ = [
     "absorb_entry",
     "absorb_extras",
     "absorb_state",
+    "flattened_dcp_hint",
     "initialized_flags",
     "present_codebook",
     "present_entry",
@@ -288,3 +289,22 @@ def absorb_state(
                 where = f"{optimizer.OWNER_NAME} checkpoint: entry {label}"
                 absorbed[ident] = absorb_entry(optimizer, group, param, state[ident], where)
     return absorbed
+
+
+def flattened_dcp_hint(saved_groups: Any, live_groups: list[dict[str, Any]]) -> str:
+    """Why a state dict without extras may have reached a load, when its groups hold exactly
+    the live groups' keys: ``set_optimizer_state_dict`` with
+    ``StateDictOptions(flatten_optimizer_state_dict=True)`` rebuilds the groups and the entries
+    from the keys the live optimizer holds, and a fresh one holds no extras and no momentum yet.
+    Empty otherwise (another optimizer's checkpoint has its own keys)."""
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(live_groups):
+        return ""
+    for saved, live in zip(saved_groups, live_groups, strict=True):
+        if not isinstance(saved, Mapping) or set(saved) - {"params"} != set(live) - {"params"}:
+            return ""
+    return (
+        "; its groups hold exactly the live groups' keys, as a DCP state dict set with "
+        "StateDictOptions(flatten_optimizer_state_dict=True) does: torch rebuilds it from the "
+        "keys the live optimizer holds, which leaves out the extras and any state a fresh "
+        "optimizer does not hold yet (use flatten_optimizer_state_dict=False)"
+    )

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gefen.core.extension import torch_indices
+from gefen.core.extension import flattened_dcp_hint, torch_indices
 
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
@@ -126,13 +126,17 @@ def _extras_from_groups(words: dict[str, Any]) -> dict[str, Any]:
     return {**extras, **{role: {} if words[role] else None for role, _ in ROLES}}
 
 
-def _checked_extras(flat: Mapping[str, Any], copies: list[Any]) -> dict[str, Any]:
+def _checked_extras(
+    flat: Mapping[str, Any], copies: list[Any], live_groups: list[dict[str, Any]]
+) -> dict[str, Any]:
     if EXTRAS_KEY not in flat and copies:
         return _checked_words(_extras_from_groups(copies[0]))
     if EXTRAS_KEY not in flat:
+        hint = flattened_dcp_hint(flat.get("param_groups"), live_groups)
         raise _reject(
             f"torch's {{'state', 'param_groups'}} layout needs the '{EXTRAS_KEY}' extras (a "
-            "checkpoint of another optimizer, or one consolidated without them, cannot be loaded)"
+            "checkpoint of another optimizer, or one consolidated without them, cannot be "
+            f"loaded){hint}"
         )
     return _checked_words(flat[EXTRAS_KEY])
 
@@ -241,7 +245,8 @@ def _indexed(hybrid: HybridInterface, flat: Mapping[str, Any]) -> Mapping[str, A
 def _split_flat(hybrid: HybridInterface, flat: Mapping[str, Any]) -> dict[str, Any]:
     flat = _indexed(hybrid, flat)
     copies = _group_copies(flat)
-    extras = _checked_extras(flat, copies)
+    live = [group for child in hybrid.children for group in child.param_groups]
+    extras = _checked_extras(flat, copies, live)
     muon = hybrid.muon
     # The backup's ids follow the live Muon child's (torch's numbering runs over its places),
     # when the checkpoint has a Muon half (without one, the halves check names what is missing).
