@@ -97,6 +97,55 @@ def test_a_codebook8_group_added_after_fp32_steps_learns_the_first_codebook() ->
     assert torch.equal(vector, twin_vector)
 
 
+@pytest.mark.parametrize("absent", ["none", "zeros"])
+def test_an_fp32_group_steps_while_the_codebook_group_has_no_gradient(absent: str) -> None:
+    # The whole step was the pre-initialization no-op: the fp32 group's parameters, which had
+    # real gradients, silently never moved while the codebook8 group (frozen for a warm-up)
+    # had none.
+    matrix, vector = _pair()
+    mixed = Gefen([{"params": [matrix]}, {"params": [vector], "momentum_codec": "none"}], lr=0.01)
+    alone_matrix, alone_vector = _clone((matrix, vector))
+    dense = Gefen([alone_vector], lr=0.01, momentum_codec="none")
+    coded = Gefen([alone_matrix], lr=0.01)
+    start = matrix.detach().clone()
+    for step in range(5):
+        generator = torch.Generator().manual_seed(step)
+        alone_vector.grad = torch.randn(vector.shape, generator=generator)
+        vector.grad = alone_vector.grad.clone()
+        warm_up = step < 3  # the codebook8 group's gradients start at step 3
+        if warm_up:
+            matrix.grad = None if absent == "none" else torch.zeros_like(matrix)
+        else:
+            alone_matrix.grad = torch.randn(matrix.shape, generator=generator)
+            matrix.grad = alone_matrix.grad.clone()
+            coded.step()
+        mixed.step()
+        dense.step()
+        assert torch.equal(vector, alone_vector)
+        assert mixed.global_step == step + 1
+        if warm_up:
+            assert torch.equal(matrix, start)
+            assert mixed.codebook is None
+            assert mixed.state[matrix] == {"period": 0}  # it waits for its first gradient
+            if step == 1:  # saved while it waits: loads, as an fp32-first optimizer does
+                saved = copy.deepcopy(mixed.state_dict())
+    assert mixed.codebook is not None
+    assert torch.equal(matrix, alone_matrix)  # it learned from its own first gradient
+    twin_matrix, twin_vector = _clone((start, vector))
+    twin = Gefen([{"params": [twin_matrix]}, {"params": [twin_vector], "momentum_codec": "none"}])
+    twin.load_state_dict(saved)
+    assert twin.global_step == 2
+
+
+def test_initialize_codebook_learns_nothing_from_fp32_gradients_alone() -> None:
+    matrix, vector = _pair()
+    mixed = Gefen([{"params": [matrix]}, {"params": [vector], "momentum_codec": "none"}])
+    matrix.grad, vector.grad = torch.zeros_like(matrix), torch.randn_like(vector)
+    assert mixed.initialize_codebook() is False
+    assert mixed.codebook is None
+    assert [mixed.state[p] for p in (matrix, vector)] == [{"period": 0}, {"period": 0}]
+
+
 def _mixed(params: list[torch.nn.Parameter], **second: Any) -> Gefen:
     return Gefen([{"params": [params[0]]}, {"params": [params[1]], **second}], lr=0.01)
 

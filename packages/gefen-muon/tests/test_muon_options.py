@@ -703,3 +703,32 @@ def test_a_torch_flag_set_in_a_group_is_refused_by_name_not_ignored(flag: str) -
     del optimizer.param_groups[0][flag]
     optimizer.step()
     assert not torch.equal(value, param.detach())
+
+
+@pytest.mark.parametrize("absent", ["none", "zeros"])
+def test_an_unquantized_group_steps_while_the_codebook_group_has_no_gradient(absent: str) -> None:
+    """docs/muon.md §3: a ``momentum_codec="none"`` group steps as a GefenMuon over it alone.
+    While the codebook8 group had no gradient (or an all-zero one), the whole step was the
+    pre-initialization no-op, so the unquantized group silently never moved."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(8, 12))
+    b = torch.nn.Parameter(torch.randn(8, 12))
+    alone = torch.nn.Parameter(a.detach().clone())
+    mixed = GefenMuon([{"params": [a], "momentum_codec": "none"}, {"params": [b]}], lr=0.02)
+    reference = GefenMuon([alone], lr=0.02, momentum_codec="none")
+    start = b.detach().clone()
+    for _ in range(3):
+        alone.grad = torch.randn(8, 12)
+        a.grad = alone.grad.clone()
+        b.grad = None if absent == "none" else torch.zeros(8, 12)
+        mixed.step()
+        reference.step()
+        assert torch.equal(a, alone)
+    assert torch.equal(b, start)
+    assert mixed.codebook is None
+    assert mixed.state[b] == {"period": 0}
+    b.grad = torch.randn(8, 12)  # its first gradient: the codebook is learned, b moves
+    a.grad = torch.randn(8, 12)
+    mixed.step()
+    assert mixed.codebook is not None
+    assert not torch.equal(b, start)

@@ -61,18 +61,35 @@ def _coded(opt: ShellInterface, inputs: list[CodebookInput]) -> list[CodebookInp
 
 
 def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning:
-    """Periods for every input and the first codebook, or the agreed no-op (§5.5)."""
+    """Periods for every input and the first codebook, or, while the codebook groups'
+    gradients are all zero, what ``_before_codebook`` stages (§5.5)."""
     if _scoped(opt, op):
         learned = scoped_learn(opt, op, stage_periods=True)
-        return StagedLearning(noop=True) if learned is None else learned
+        return _before_codebook(opt, op) if learned is None else learned
     inputs = opt.codebook_inputs(op)
     periods = _stage_new_periods(opt, inputs)
     counts = _shared(opt, op, build_histogram(_coded(opt, inputs), periods))
     if not any_nonzero_agreed(counts, op.scope):
-        return StagedLearning(noop=True)
+        return _before_codebook(opt, op)
     device = inputs[0][1].device if inputs else torch.device("cpu")
     codebook = solve_new_codebook(counts, device, codebook_size(opt.param_groups))
     return StagedLearning(periods=periods, codebook=codebook)
+
+
+def _before_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning:
+    """An empty histogram: the fp32-momentum groups step alone (their new periods staged; the
+    codebook groups wait, their periods unstaged, and the plans leave them out), or the agreed
+    no-op when no fp32-momentum parameter has a gradient. Gradient presence is agreed before
+    phase 4 (the vote, or the scoped header), so every member decides alike."""
+    uncoded = {
+        index
+        for index, group, param in opt.indexed_params()
+        if param.grad is not None and not group_uses_codebook(group)
+    }
+    if not uncoded:
+        return StagedLearning(noop=True)
+    inputs = [item for item in opt.codebook_inputs(op) if item[0] in uncoded]
+    return StagedLearning(periods=_stage_new_periods(opt, inputs))
 
 
 def _refreshed(
@@ -158,7 +175,7 @@ def initialize(opt: ShellInterface) -> bool:
     opt.check_step_agreement()
     with torch.no_grad():
         learning = _first_codebook(opt, op)
-    if learning.noop:
+    if learning.codebook is None:  # an empty histogram: nothing is learned or written
         return False
     opt.publish_learning(learning)
     return True

@@ -305,11 +305,14 @@ class Gefen(OptimizerShell):
     def _planned_updates(self, learning: StagedLearning) -> list[_PlannedUpdate]:
         plan: list[_PlannedUpdate] = []
         index = -1
+        # no codebook yet (its groups' gradients were all zero): those groups wait (§5.5)
+        waiting = self._codebook is None and learning.codebook is None
         for group_index, group in enumerate(self.param_groups):
-            stochastic = group_uses_codebook(group) and bool(group["stochastic_round"])
+            coded = group_uses_codebook(group)
+            stochastic = coded and bool(group["stochastic_round"])
             for position, param in enumerate(group["params"]):
                 index += 1
-                if param.grad is None or local_tensor(param).numel() == 0:
+                if param.grad is None or local_tensor(param).numel() == 0 or (waiting and coded):
                     continue
                 # A parameter object put into a group after construction has no entry yet: like
                 # torch, it starts fresh (its period is staged by learning, as for a new group).

@@ -246,8 +246,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return [param.grad is not None for group in self.param_groups for param in group["params"]]
 
     def _validate_changed_groups(self) -> None:
-        """§2.2 at the edges: a group's options are re-validated only when one of them changed
-        since they last passed (a new value, or a tensor lr written in place), not every step."""
+        """§2.2 at the edges: a group's options are re-validated only when one of them changed."""
         previous = self.__dict__.get("_validated_options", {})
         self._validated_options = revalidate_changed_groups(self, previous)
 
@@ -357,8 +356,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return False
 
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
-        """Learning of §5.5–§5.6; skipped while the steady-state token and the codebook are those
-        of a step that had nothing to learn and no refresh is due."""
+        """§5.5–§5.6 learning; skipped while token and codebook are an idle step's, none due."""
         steady, codebook = self.__dict__.get("_steady"), self._codebook
         idle = self.__dict__.get("_learning_idle") or (None, None)
         due = codebook_ops.refresh_due(self)
@@ -366,7 +364,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             return StagedLearning()
         learning = codebook_ops.stage_step_learning(self, op)
         nothing = not (learning.noop or learning.periods or learning.codebook is not None)
-        self._learning_idle = (steady, codebook) if nothing and steady is not None else None
+        # never idle while a codebook is to be learned: zero gradients may turn non-zero
+        idle_now = nothing and (codebook is not None or not self.uses_codebook)
+        self._learning_idle = (steady, codebook) if idle_now and steady is not None else None
         return learning
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:

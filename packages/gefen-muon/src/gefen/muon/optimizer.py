@@ -298,16 +298,19 @@ class GefenMuon(OptimizerShell):
         indexed = [item for item in self.indexed_params() if item[2].numel() > 0]
         slots = distributed_slots(indexed)
         distributed = {slot.index for per_group in slots for slot in per_group}
+        # no codebook yet (its groups' gradients were all zero): they wait (docs/core.md §5.5)
+        waiting = self.codebook is None and learning.codebook is None
+        stepped = {id(g) for g in self.param_groups if not (waiting and group_uses_codebook(g))}
         plan: list[PlannedMatrix | OwnerBucket] = []
         for index, group, param in indexed:
-            if param.grad is None or index in distributed:
+            if param.grad is None or index in distributed or id(group) not in stepped:
                 continue
             mode = parameter_mode(group, param)
             if mode == APPROX and local_tensor(param).numel() == 0:
                 continue  # an empty approx shard has nothing to update (and no collective)
             plan.append(planned(index, group, param, mode))
         for per_group in slots:
-            active = [slot for slot in per_group if slot.param.grad is not None]
+            active = [s for s in per_group if s.param.grad is not None and id(s.group) in stepped]
             world = active[0].world if active else 1
             for start in range(0, len(active), world):
                 bucket = active[start : start + world]
