@@ -146,6 +146,23 @@ def test_a_finite_gradient_whose_squares_overflow_is_refused_either_way(
     rejects(optimizer, optimizer.step, NonFiniteGradientError, "squares overflow float32")
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["native", "eager"])
+def test_a_gradient_whose_column_sum_overflows_is_refused_on_every_path(fused: bool) -> None:
+    """Every square and every row sum finite, but four rows near 1e19 in one column overflow
+    that column's sum: the native preflight looked only at the rows and took the step, and
+    ``v_col`` stayed +Inf for good (the column froze, and 0·Inf put NaN in a row with no
+    gradient there). The eager path already refused it."""
+    param = torch.nn.Parameter(torch.ones(5, 8))
+    optimizer = Gefen([param], lr=1e-2, fused=fused)
+    grad = torch.zeros(5, 8)
+    grad[:4, 1:] = 1.0
+    param.grad = grad.clone()
+    optimizer.step()
+    grad[:4, 0] = 1e19
+    param.grad = grad
+    rejects(optimizer, optimizer.step, NonFiniteGradientError, "squares overflow float32")
+
+
 def _entry(rows: int, cols: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(3)
     return {

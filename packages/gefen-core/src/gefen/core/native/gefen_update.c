@@ -513,10 +513,11 @@ static void update_blocks(void *param, const void *grad, int dtype, uint8_t *cod
 /* §6.2's reduction over the whole (R, C) gradient, in one read of it: each row's mean of g² into
  * ``row_means`` and each column's sum of g² into ``column_sums`` (accumulated row after row, row
  * sums in fixed lanes, both in float as torch's own reductions are). It doubles as the step
- * preflight's finiteness check (§7.2) of a factored gradient: returns 0 when every row mean is
- * finite, and then so is every element (squares are non-negative, so a NaN or ±Inf element
- * makes its row's sum NaN or +Inf); 1 otherwise, and the caller checks the elements themselves
- * (a finite |g| above about 1.8e19 overflows g² as well). */
+ * preflight's finiteness check (§7.2) of a factored gradient: returns 0 when every row mean and
+ * every column sum is finite, and then so is every element (squares are non-negative, so a NaN
+ * or ±Inf element makes its row's sum NaN or +Inf); 1 otherwise, and the caller checks the
+ * elements themselves (a finite |g| above about 1.8e19 overflows g² as well, and a few rows
+ * near it overflow a column's sum, which the second moment would keep at +Inf for good). */
 int gefen_factored_sums(const void *grad, int32_t dtype, int64_t rows, int64_t cols,
                         float *row_means, float *column_sums, int32_t portable) {
     memset(column_sums, 0, sizeof(float) * (size_t)cols);
@@ -526,6 +527,8 @@ int gefen_factored_sums(const void *grad, int32_t dtype, int64_t rows, int64_t c
         row_means[r] = mean;
         finite &= isfinite(mean) != 0;
     }
+    /* the column sums too: R rows of |g| near 1e19 in one column overflow it, not any row */
+    for (int64_t c = 0; c < cols; ++c) finite &= isfinite(column_sums[c]) != 0;
     return finite ? 0 : 1;
 }
 
