@@ -23,6 +23,7 @@ GROUP_CASES = [
     ({"betas": (0.9,)}, ValueError, "Invalid beta parameter"),
     ({"eps": 0.0}, ValueError, "Invalid epsilon value"),
     ({"eps": math.inf}, ValueError, "Invalid epsilon value"),
+    ({"eps": 1e-38}, ValueError, "Invalid epsilon value: 1e-38"),
     ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value"),
     ({"weight_decay": math.nan}, ValueError, "Invalid weight_decay value"),
     ({"factored_v_2d": 1}, TypeError, "factored_v_2d must be a bool"),
@@ -331,6 +332,7 @@ def test_requires_grad_false_parameters_accepted_and_skipped() -> None:
         ("lr", -1.0, ValueError, "Invalid learning rate"),
         ("betas", (0.9, 1.5), ValueError, "Invalid beta parameter at index 1"),
         ("eps", 0.0, ValueError, "Invalid epsilon value"),
+        ("eps", 1e-38, ValueError, "1/eps overflows float32"),
         ("codebook_refresh_every", 5, ValueError, "optimizer-wide option 'codebook_refresh_every'"),
         ("deterministic", 1, TypeError, "deterministic must be a bool"),
         ("momentum_codec", "none", RuntimeError, "a group's codec cannot change"),
@@ -440,3 +442,18 @@ def test_a_torch_flag_set_in_a_group_is_refused_by_name_not_ignored(flag: str, r
     added = {"params": params[1:], flag: True}
     rejects(optimizer, lambda: optimizer.add_param_group(added), ValueError, message)
     assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["native", "eager"])
+def test_the_smallest_eps_keeps_an_all_zero_block_finite(fused: bool) -> None:
+    # eps=1e-38 was taken: 1/eps overflowed float32 where a block's v is 0, and times the
+    # block's zero momentum gave NaN (AdamW divides instead, and stays finite).
+    param = torch.nn.Parameter(torch.ones(2, 8))
+    optimizer = Gefen([param], lr=1e-3, eps=1e-30, fused=fused)
+    grad = torch.zeros(2, 8)
+    grad[0] = 1.0
+    param.grad = grad
+    optimizer.step()
+    assert bool(param.isfinite().all())
+    decay = optimizer.param_groups[0]["weight_decay"]
+    assert torch.allclose(param[1], torch.full((8,), 1 - 1e-3 * decay))  # weight decay only

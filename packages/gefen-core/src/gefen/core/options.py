@@ -20,6 +20,7 @@ __all__ = [
     "GEFEN_FLAGS",
     "GEFEN_GROUP_OPTIONS",
     "GEFEN_OPTIMIZER_WIDE",
+    "MIN_EPS",
     "TORCH_ONLY_FLAGS",
     "VARIANT_PREFIX",
     "check_betas",
@@ -121,6 +122,11 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+MIN_EPS = 1e-30
+"""The smallest ``eps``: the step scales by ``1/((sqrt(v)/sqrt(bc2) + eps)·bc1)``, finite in
+float32 for any ``v >= 0`` and ``β1 < 1 - 1e-8``."""
+
+
 def _check_positive_finite(name: str, label: str, value: object, *, allow_zero: bool) -> None:
     number = real_value(value)
     in_range = number is not None and math.isfinite(number) and number >= 0
@@ -213,6 +219,11 @@ def validate_gefen_options(options: Mapping[str, Any], *, constructor: bool = Fa
     check_lr(options["lr"])
     check_betas(options["betas"])
     _check_positive_finite("eps", "epsilon", options["eps"], allow_zero=False)
+    if (real_value(options["eps"]) or 0.0) < MIN_EPS:  # 1/eps scales a block whose v is 0
+        raise ValueError(
+            f"Invalid epsilon value: {options['eps']!r} (below {MIN_EPS:g}, 1/eps overflows "
+            "float32 where a block's second moment is 0, and 0·inf is NaN)"
+        )
     _check_positive_finite("weight_decay", "weight_decay", options["weight_decay"], allow_zero=True)
     for name in GEFEN_FLAGS:
         check_flag(name, options[name])
