@@ -70,17 +70,20 @@ def _first_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning
     periods = _stage_new_periods(opt, inputs)
     counts = _shared(opt, op, build_histogram(_coded(opt, inputs), periods))
     if not any_nonzero_agreed(counts, op.scope):
-        return _before_codebook(opt, op)
+        return _before_codebook(opt, op, periods)
     device = inputs[0][1].device if inputs else torch.device("cpu")
     codebook = solve_new_codebook(counts, device, codebook_size(opt.param_groups))
     return StagedLearning(periods=periods, codebook=codebook)
 
 
-def _before_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearning:
-    """An empty histogram: the fp32-momentum groups step alone (their new periods staged; the
-    codebook groups wait, their periods unstaged, and the plans leave them out), or the agreed
-    no-op when no fp32-momentum parameter has a gradient. Gradient presence is agreed before
-    phase 4 (the vote, or the scoped header), so every member decides alike."""
+def _before_codebook(
+    opt: ShellInterface, op: GuardedOperation, periods: Mapping[int, int] | None = None
+) -> StagedLearning:
+    """An empty histogram: the fp32-momentum groups step alone (their new periods staged, from
+    ``periods`` when learning staged them already; the codebook groups wait, their periods
+    unstaged, and the plans leave them out), or the agreed no-op when no fp32-momentum
+    parameter has a gradient. Gradient presence is agreed before phase 4 (the vote, or the
+    scoped header), so every member decides alike."""
     uncoded = {
         index
         for index, group, param in opt.indexed_params()
@@ -88,8 +91,10 @@ def _before_codebook(opt: ShellInterface, op: GuardedOperation) -> StagedLearnin
     }
     if not uncoded:
         return StagedLearning(noop=True)
-    inputs = [item for item in opt.codebook_inputs(op) if item[0] in uncoded]
-    return StagedLearning(periods=_stage_new_periods(opt, inputs))
+    if periods is None:
+        inputs = [item for item in opt.codebook_inputs(op) if item[0] in uncoded]
+        periods = _stage_new_periods(opt, inputs)
+    return StagedLearning(periods={i: p for i, p in periods.items() if i in uncoded})
 
 
 def _refreshed(
