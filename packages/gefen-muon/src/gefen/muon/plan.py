@@ -54,5 +54,4 @@ def group_hyper(group: Mapping[str, Any]) -> MuonHyper:
         normuon=bool(group["normuon"]),
         normuon_beta2=float(group["normuon_beta2"]),
         normuon_eps=float(group["normuon_eps"]),
-        tensor_lr=isinstance(group["lr"], Tensor),
     )

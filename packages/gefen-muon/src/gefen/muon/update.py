@@ -10,7 +10,6 @@ the Newton–Schulz temporaries and ``O``; nothing is staged for the rest of the
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +42,6 @@ class MuonHyper:
     normuon: bool
     normuon_beta2: float
     normuon_eps: float
-    tensor_lr: bool = False  # products with lr rounded to float32, as torch's tensor math does
-
-
-def _f32(value: float) -> float:
-    """``value`` rounded to float32 (a product of two float32 values is exact in a float)."""
-    rounded: float = struct.unpack("f", struct.pack("f", value))[0]
-    return rounded
 
 
 def advance_momentum_(
@@ -137,13 +129,8 @@ def orthogonal_update_(
 
 
 def apply_update_(local: Tensor, update: Tensor, *, hyper: MuonHyper, ratio: float) -> None:
-    """Steps 4–5 on ``local`` in place: decay with the raw lr, then ``-(lr·ratio)·O``. With a
-    tensor lr, torch's Muon forms ``lr·wd`` and ``lr·ratio`` as float32 tensors: so do we."""
+    """Steps 4–5 on ``local`` in place: decay with the raw lr, then ``-(lr·ratio)·O``."""
     target = local.detach()
-    decay, scale = hyper.lr * hyper.weight_decay, hyper.lr * ratio
-    if hyper.tensor_lr:
-        decay = _f32(hyper.lr * _f32(hyper.weight_decay))
-        scale = _f32(hyper.lr * _f32(ratio))
     if hyper.weight_decay > 0:
-        target.mul_(1.0 - decay)
-    target.add_(update, alpha=-scale)
+        target.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    target.add_(update, alpha=-(hyper.lr * ratio))
