@@ -163,6 +163,33 @@ def test_a_gradient_whose_column_sum_overflows_is_refused_on_every_path(fused: b
     rejects(optimizer, optimizer.step, NonFiniteGradientError, "squares overflow float32")
 
 
+@pytest.mark.parametrize("codec", ["codebook8", "none"])
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "block"])
+def test_a_float64_gradient_beyond_float32_range_is_refused(codec: str, factored: bool) -> None:
+    """A float64 gradient of 1e300 is finite, but the step computes in float32, where it is
+    +Inf: the block family's momentum and second moment became NaN for good (the parameter with
+    them). Refused like a non-finite gradient, before anything changes; the step then trains."""
+    generator = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=torch.float64))
+        for shape in [(12, 16), (100,)]
+    ]
+    optimizer = Gefen(params, lr=1e-2, momentum_codec=codec, factored_v_2d=factored)
+    for seed in range(2):
+        _grads(params, seed)
+        optimizer.step()
+    _grads(params, 2)
+    params[1].grad[7] = 1e300
+    rejects(optimizer, optimizer.step, NonFiniteGradientError, "beyond float32's range")
+    params[1].grad[7] = 0.5
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    assert all(
+        torch.isfinite(p).all() and not torch.equal(a, p)
+        for a, p in zip(before, params, strict=True)
+    )
+
+
 def _entry(rows: int, cols: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(3)
     return {

@@ -271,18 +271,22 @@ class Gefen(OptimizerShell):
 
     def _select_kernels(self) -> None:
         reductions: dict[int, GradientReduction] = {}  # by id(param), see _commit_step
-        factored: set[int] = set()  # whose row and column sums of g² must stay finite
+        # by id(param): True where the row and column sums of g² must stay finite (factored),
+        # False where only float32's range binds (a float64 gradient the step narrows)
+        bounded: dict[int, bool] = {}
         for _, group, param in self.indexed_params():
             if param.grad is not None and local_tensor(param).numel() > 0:
                 kernel = self._kernel(group, param)
                 if self._family(group, param) != "factored":
+                    if param.dtype == torch.float64:
+                        bounded[id(param)] = False
                     continue
-                factored.add(id(param))
+                bounded[id(param)] = True
                 # the native kernel's factored row/column sums double as the finiteness check
                 reduction = getattr(kernel, "gradient_sums", None)
                 if reduction is not None:
                     reductions[id(param)] = reduction
-        self._reductions, self._factored = reductions, factored
+        self._reductions, self._bounded = reductions, bounded
 
     # -- phase 4: read; phase 5: streamed commit (§7.1) --------------------------------------
 

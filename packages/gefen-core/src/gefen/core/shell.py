@@ -236,9 +236,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             self._select_kernels()
             self._steady = token  # what passed; the plan and learning caches key on it
         # Reads the commit needs that prove finiteness (by _select_kernels) run in the check.
-        reductions, factored = self.__dict__.get("_reductions"), self.__dict__.get("_factored", ())
+        reductions, bounded = self.__dict__.get("_reductions"), self.__dict__.get("_bounded")
         self._gradient_sums = (
-            {} if amp_present else check_finite_gradients(groups, reductions, factored)
+            {} if amp_present else check_finite_gradients(groups, reductions, bounded)
         )
 
     def gradient_presence(self) -> list[bool]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -176,12 +176,14 @@ it does not apply to this gradient."""
 def check_finite_gradients(
     param_groups: Iterable[Mapping[str, Any]],
     reductions: Mapping[int, GradientReduction] | None = None,
-    factored: Collection[int] = (),
+    bounded: Mapping[int, bool] | None = None,
 ) -> dict[int, Any]:
     """Raise ``NonFiniteGradientError`` naming the first parameter with a NaN/±Inf gradient
-    (a group with ``check_finite=False`` is not read), or, for the parameters in ``factored``
-    (by ``id``: their second moment sums g² over rows and columns), a finite gradient whose row
-    or column sum of squares overflows float32: the step would make them NaN for good.
+    (a group with ``check_finite=False`` is not read), or, for the parameters in ``bounded``
+    (by ``id``: the step computes in float32), a finite gradient beyond float32's range, or, where
+    ``bounded`` says True (the factored family: its second moment sums g² over rows and columns),
+    one whose row or column sum of squares overflows float32: the step would make them NaN for
+    good.
 
     ``reductions`` (by ``id`` of the parameter) names gradients the step's commit reduces
     anyway: their reduction runs here instead, so the check costs no read of its own; the
@@ -189,7 +191,7 @@ def check_finite_gradients(
     whose reduction does not prove it finite is read by the check below.
 
     Contiguous CPU gradients, once the native kernel library is loaded, are read in one native
-    pass (``gefen.core.native.first_nonfinite``) unless a factored one needs its bound (no
+    pass (``gefen.core.native.first_nonfinite``) unless a bounded one needs its bound (no
     reduction covered it). Otherwise: one fused reduction per gradient
     (its minimum and maximum: NaN propagates through both and ±Inf is an extremum, so no
     per-element temporary is allocated) and one host synchronisation per device for the step.
@@ -198,7 +200,8 @@ def check_finite_gradients(
     # Plain loops: this runs every step, and a comprehension is a call per item.
     located: list[tuple[Mapping[str, Any], int, int]] = []
     grads: list[Tensor] = []
-    squared: list[int] = []  # positions in ``located`` whose squares must not overflow
+    squared: list[int] = []  # positions in ``located`` whose bound is checked
+    summed: list[bool] = []  # for each of ``squared``: its sums of squares too (factored)
     reduced: dict[int, Any] = {}
     for group_index, group in enumerate(param_groups):
         if group.get("check_finite", True) is False:
@@ -218,8 +221,10 @@ def check_finite_gradients(
                 reduced[id(param)] = outcome[0]
                 if outcome[1]:
                     continue  # proven finite by the reduction itself, its squares' sums too
-            if id(param) in factored:
+            rule = None if bounded is None else bounded.get(id(param))
+            if rule is not None:
                 squared.append(len(located))
+                summed.append(rule)
             located.append((group, group_index, position))
             grads.append(grad)
     if not located:
@@ -227,7 +232,7 @@ def check_finite_gradients(
     # CPU: one native pass, no reduction launches; only once a kernel selection loaded the
     # library (an eager-only run never builds it).
     native = sys.modules.get("gefen.core.native")
-    # A factored gradient no native reduction covered needs its bound as well: the extrema give
+    # A bounded gradient no native reduction covered needs its bound as well: the extrema give
     # both in the one read, so then every gradient takes that path.
     first = None if native is None or squared else native.first_nonfinite(grads)
     if first is not None:
@@ -235,8 +240,14 @@ def check_finite_gradients(
             raise NonFiniteGradientError(_non_finite(parameter_label(*located[first])))
         return reduced
     bounds = _checked_bounds(located, grads, squared)
-    for i, bound in zip(squared, bounds, strict=True):
-        if _squares_overflow(grads[i], bound):
+    for i, sums, bound in zip(squared, summed, bounds, strict=True):
+        if bound > _FLOAT32_MAX:
+            raise NonFiniteGradientError(
+                f"parameter {parameter_label(*located[i])} has a finite gradient (|g| up to "
+                f"{bound:.3g}) beyond float32's range, which the step computes in; the step "
+                "was not taken"
+            )
+        if sums and _squares_overflow(grads[i], bound):
             raise NonFiniteGradientError(
                 f"parameter {parameter_label(*located[i])} has a finite gradient (|g| up to "
                 f"{bound:.3g}) whose squares overflow float32 in its factored second moment "
