@@ -97,10 +97,12 @@ def _match(
             raise ConformanceError(f"{location}: {rule} {show(key)}")
         if declared.scope is StateScope.PARAMETER:
             reached.add(declared.name)
+    optional = {declared.name for declared in layout.fields if declared.optional}
     found = tuple(
         variant
         for variant in layout.parameter_variants
-        if set(variant.fields) == reached
+        if reached <= set(variant.fields)
+        and set(variant.fields) - optional <= reached
         and variant.applies_to(filters.ndim, filters.sharded_mode, filters.role, filters.layout)
     )
     if not found:
@@ -179,7 +181,43 @@ def check_state_dict(
     filters = _EntryFilters(ndims, sharded_modes, roles, parameter_layouts)
     result: dict[object, tuple[str, ...]] = {}
     _check_optimizer(contract, state_dict, "state_dict", "", filters, result)
+    assert isinstance(state_dict, dict)
+    known = _parameter_names(contract, state_dict, "")
+    for name, mapping in named.items():
+        # a key naming nothing (a parameter's name, a str index) would drop its filter silently
+        stray = [key for key in mapping or () if key not in known]
+        if stray:
+            rule = "keys name no state entry or listed parameter of the state dict"
+            raise ConformanceError(f"check_state_dict.{name}: {rule}: {_listing(stray)}")
     return result
+
+
+def _parameter_names(
+    contract: OptimizerContract | None, state_dict: dict[Any, Any], prefix: str
+) -> set[object]:
+    """The keys a filter mapping may use: each state entry's key and each id a group's
+    ``params`` lists, children's as ``"<namespace>/<key>"`` (a checked state dict)."""
+    names: set[object] = set()
+    if contract is not None and contract.state_layout.composite_namespaces:
+        for namespace in contract.state_layout.composite_namespaces:
+            child, nested = contract.child(namespace), state_dict.get(namespace)
+            if child is not None and isinstance(nested, dict):
+                names |= _parameter_names(child.contract, nested, f"{prefix}{namespace}/")
+        return names
+    keys = list(state_dict["state"])
+    for group in state_dict["param_groups"]:
+        listed = group.get("params") if isinstance(group, dict) else None
+        keys.extend(key for key in listed or () if isinstance(listed, list) and _hashable(key))
+    names.update(f"{prefix}{key}" if prefix else key for key in keys)
+    return names
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _check_optimizer(

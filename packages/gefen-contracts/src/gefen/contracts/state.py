@@ -54,6 +54,11 @@ class StateField(ContractValue):
     optional: bool = field(default=False, metadata=_BOOL)
     description: str = field(default="", metadata=_TEXT)
 
+    def _validate(self) -> None:
+        if self.optional and not self.checkpointed:
+            rule = "marks a checkpointed field that may be absent; this one is not checkpointed"
+            raise value_error("StateField.optional", rule, self.name)
+
     @property
     def authoritative(self) -> bool:
         """False for a ``DERIVED`` field: a cache or carrier rebuilt from authoritative state."""
@@ -80,7 +85,8 @@ class StateVariant(ContractValue):
     )
     initialized: bool = field(default=True, metadata=_BOOL)
     parameter_ranks: tuple[int, ...] | None = field(
-        default=None, metadata=meta(OptionalKind(_RANKS))
+        default=None,
+        metadata=meta(OptionalKind(TupleKind(IntKind(minimum=0), unique=True, non_empty=True))),
     )
     excluded_parameter_ranks: tuple[int, ...] = field(default=(), metadata=meta(_RANKS))
     sharded_mode: str | None = field(default=None, metadata=meta(OptionalKind(NameKind())))
@@ -163,15 +169,27 @@ class OptimizerStateLayout(ContractValue):
         check_unique(f"{location}.fields", tuple(f.name for f in self.fields), "field name")
         variant_names = tuple(variant.name for variant in self.parameter_variants)
         check_unique(f"{location}.parameter_variants", variant_names, "variant name")
-        scopes = {declared.name: declared.scope for declared in self.fields}
+        declared = {state_field.name: state_field for state_field in self.fields}
         for index, variant in enumerate(self.parameter_variants):
             for position, name in enumerate(variant.fields):
-                if scopes.get(name) is not StateScope.PARAMETER:
-                    raise value_error(
-                        f"{location}.parameter_variants[{index}].fields[{position}]",
-                        "must name a declared field of scope 'parameter'",
-                        name,
-                    )
+                target = declared.get(name)
+                where = f"{location}.parameter_variants[{index}].fields[{position}]"
+                if target is None or target.scope is not StateScope.PARAMETER:
+                    rule = "must name a declared field of scope 'parameter'"
+                    raise value_error(where, rule, name)
+                if not target.checkpointed:
+                    # check_state_dict refuses the key wherever it appears: never matched
+                    raise value_error(where, "must name a checkpointed field", name)
+        self._check_top_level_names()
+
+    def _check_top_level_names(self) -> None:
+        """A top-level field must not take a name the state dict's structure already holds
+        (``state``/``param_groups``, or a composite's namespaces): it could never be found."""
+        taken = self.composite_namespaces or ("state", "param_groups")
+        for index, declared in enumerate(self.fields):
+            if declared.scope is not StateScope.PARAMETER and declared.name in taken:
+                rule = f"a top-level field must not be named like the structure's keys {taken}"
+                raise value_error(f"OptimizerStateLayout.fields[{index}].name", rule, declared.name)
 
     def fields_for_scope(self, scope: StateScope) -> tuple[StateField, ...]:
         """The fields of ``scope`` in declaration order."""

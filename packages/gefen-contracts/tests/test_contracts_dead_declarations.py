@@ -1,0 +1,151 @@
+"""Declarations that could never match anything are refused when built, and the conformance
+helpers do not pass what they were asked to check (docs/contracts.md §5, §8). Each of these was
+accepted before: the author learnt of the mistake only from a check that could never pass, or
+never at all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gefen.contracts import (
+    CheckpointSupport,
+    CheckpointTransport,
+    ConformanceError,
+    ContractValueError,
+    OptimizerCapabilities,
+    OptimizerContract,
+    OptimizerStateLayout,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    StateField,
+    StateGeometry,
+    StateScope,
+    StateVariant,
+    TrainingSupport,
+)
+from gefen.contracts.conformance import check_state_dict, match_state_variant
+
+REPLICATED = ParameterLayout.REPLICATED
+TENSOR = object()  # the helpers never look at values
+
+
+def field(name: str, scope: StateScope = StateScope.PARAMETER, **extra: Any) -> StateField:
+    extra.setdefault("checkpointed", True)
+    return StateField(name=name, scope=scope, geometry=StateGeometry.OPAQUE, **extra)
+
+
+def variant(name: str, fields: tuple[str, ...], **extra: Any) -> StateVariant:
+    return StateVariant(
+        name=name, fields=fields, layouts={REPLICATED}, extent=StateExtent.GLOBAL_PARAMETER, **extra
+    )
+
+
+def contract(layout: OptimizerStateLayout) -> OptimizerContract:
+    return OptimizerContract(
+        implementation="example.Optimizer",
+        state_layout=layout,
+        capabilities=OptimizerCapabilities(
+            training=[
+                TrainingSupport(layout=REPLICATED, process_group_scope=ProcessGroupScope.NONE)
+            ],
+            checkpoints=[
+                CheckpointSupport(
+                    transport=CheckpointTransport.NATIVE_OPTIMIZER,
+                    same_topology={REPLICATED},
+                    process_group_scope=ProcessGroupScope.NONE,
+                    requires_collective=False,
+                    atomic_load=False,
+                )
+            ],
+            precisions={Precision.FLOAT32},
+        ),
+    )
+
+
+def test_a_variant_naming_an_unsaved_field_is_refused() -> None:
+    """``check_state_dict`` refuses a ``checkpointed=False`` key wherever it appears, and a
+    variant without it misses a key: no entry could ever match."""
+    with pytest.raises(ContractValueError, match=r"fields\[1\]: must name a checkpointed field"):
+        OptimizerStateLayout(
+            fields=[field("step"), field("m", checkpointed=False)],
+            parameter_variants=[variant("v", ("step", "m"))],
+        )
+
+
+def test_empty_parameter_ranks_are_refused() -> None:
+    """``()`` allowed no dimensionality: dead under every ndim filter, and matched without one."""
+    with pytest.raises(ContractValueError, match=r"parameter_ranks: must not be empty"):
+        variant("v", ("step",), parameter_ranks=())
+    assert variant("v", ("step",), parameter_ranks=(0,)).applies_to(ndim=0)
+
+
+def test_optional_requires_checkpointed() -> None:
+    with pytest.raises(ContractValueError, match=r"StateField\.optional: marks a checkpointed"):
+        field("extras", StateScope.OPTIMIZER_COMMON, optional=True, checkpointed=False)
+
+
+@pytest.mark.parametrize("name", ["state", "param_groups"])
+def test_a_top_level_field_named_like_the_structure_is_refused(name: str) -> None:
+    """Such a required common field was skipped as structure, so always reported missing."""
+    with pytest.raises(ContractValueError, match=r"fields\[1\]\.name: a top-level field"):
+        OptimizerStateLayout(
+            fields=[field("step"), field(name, StateScope.OPTIMIZER_COMMON)],
+            parameter_variants=[variant("v", ("step",))],
+        )
+    with pytest.raises(ContractValueError, match=r"fields\[0\]\.name: a top-level field"):
+        OptimizerStateLayout(
+            fields=[field("main", StateScope.DERIVED)],
+            parameter_variants=[],
+            composite_namespaces=("main",),
+        )
+    # a per-parameter key of that name is an entry key, not a top-level one
+    OptimizerStateLayout(fields=[field(name)], parameter_variants=[variant("v", (name,))])
+
+
+def test_an_optional_parameter_field_may_be_absent() -> None:
+    """``optional`` is "a checkpointed field that may be absent"; an entry without it matched
+    no variant."""
+    layout = OptimizerStateLayout(
+        fields=[field("step"), field("m"), field("v", optional=True)],
+        parameter_variants=[variant("moments", ("step", "m", "v"))],
+    )
+    assert [v.name for v in match_state_variant(layout, ["step", "m"])] == ["moments"]
+    assert [v.name for v in match_state_variant(layout, ["step", "m", "v"])] == ["moments"]
+    with pytest.raises(ConformanceError, match="no state variant matches keys"):
+        match_state_variant(layout, ["step", "v"])  # the required ``m`` is missing
+
+
+def _matrix_only() -> OptimizerContract:
+    return contract(
+        OptimizerStateLayout(
+            fields=[field("step"), field("m")],
+            parameter_variants=[variant("matrix", ("step", "m"), parameter_ranks=(2,))],
+        )
+    )
+
+
+def _state_dict() -> dict[str, Any]:
+    return {
+        "state": {0: {"step": TENSOR, "m": TENSOR}},
+        "param_groups": [{"params": [0, 1], "lr": 0.1}],
+    }
+
+
+@pytest.mark.parametrize("key", ["0", "bias", 7])
+def test_a_filter_keyed_by_nothing_in_the_state_dict_is_refused(key: object) -> None:
+    """Keyed by name or by a str index, the filter was dropped and a 1-D parameter's entry
+    passed a matrix-only contract."""
+    with pytest.raises(ConformanceError, match=r"check_state_dict\.ndims: keys name no state"):
+        check_state_dict(_matrix_only(), _state_dict(), ndims={key: 1})
+    with pytest.raises(ConformanceError, match="no state variant matches"):
+        check_state_dict(_matrix_only(), _state_dict(), ndims={0: 1})  # keyed right: it fails
+
+
+def test_a_filter_may_name_a_listed_parameter_without_state() -> None:
+    """Parameter 1 has no entry yet (no step took it): a mapping over every parameter is fine."""
+    result = check_state_dict(_matrix_only(), _state_dict(), ndims={0: 2, 1: 1})
+    assert result == {0: ("matrix",)}
