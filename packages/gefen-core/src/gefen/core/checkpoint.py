@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gefen.core.deferred import assemble_pending
-from gefen.core.options import codebook_size, group_uses_codebook
+from gefen.core.options import codebook_size, group_uses_codebook, owned_option
 from gefen.core.replicas import NO_REPLICA, replica_words
 from gefen.core.resharding import check_row_periods
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
@@ -301,7 +301,7 @@ class _Loader:
     # groups
 
     def group(self, index: int, saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
-        staged = {key: value for key, value in saved.items() if key not in ("params", EXTRAS_KEY)}
+        staged = {k: owned_option(v) for k, v in saved.items() if k not in ("params", EXTRAS_KEY)}
         defaults = self.optimizer.defaults
         self.fixed_options(index, staged, live)
         kept = (*LIVE_OPTIONS, *FIXED_OPTIONS)

@@ -34,6 +34,7 @@ __all__ = [
     "group_codecs",
     "group_uses_codebook",
     "lr_value",
+    "owned_option",
     "validate_gefen_options",
     "variant_prefix",
 ]
@@ -275,3 +276,10 @@ def lr_value(lr: object) -> float:
     if isinstance(lr, torch.Tensor):
         return check_lr(lr)
     return float(lr)  # type: ignore[arg-type]
+
+
+def owned_option(value: Any) -> Any:
+    """A loaded group option as the group's own: a tensor (lr) is copied, as torch's load
+    deep-copies the saved groups; shared with the caller's dict, a scheduler of the optimizer it
+    came from would rewrite this one's lr."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
