@@ -244,6 +244,18 @@ def test_add_param_group_with_invalid_second_tensor_changes_nothing(rejects) -> 
     assert isinstance(group["params"][0], tuple)  # the caller's dict is untouched
 
 
+def test_add_param_group_names_a_bad_tensor_by_its_param_names(rejects) -> None:
+    """torch's own named form of ``add_param_group`` (tensors plus a ``param_names`` list):
+    the rejected tensor was named ``param_groups[1][1]`` there, by its name in the constructor."""
+    a, b = _params()
+    optimizer = Gefen([("first", a)])
+    bad = torch.zeros(2, dtype=torch.int32)
+    group = {"params": [b, bad], "param_names": ["second", "bad_one"]}
+    rejects(optimizer, lambda: optimizer.add_param_group(group), ValueError, "parameter 'bad_one'")
+    optimizer.add_param_group({"params": [b], "param_names": ["second"]})
+    assert optimizer.param_groups[1]["param_names"] == ["second"]
+
+
 def test_add_param_group_non_dict() -> None:
     optimizer = Gefen(_params())
     with pytest.raises(TypeError, match="param_group must be a dict"):

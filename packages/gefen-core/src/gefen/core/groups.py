@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from gefen.core.options import check_optimizer_wide
-from gefen.core.validation import OVERLAP_RULE, SUPPORTED_DTYPES, local_tensor, overlaps_itself
+from gefen.core.validation import (
+    OVERLAP_RULE,
+    SUPPORTED_DTYPES,
+    local_tensor,
+    overlaps_itself,
+    parameter_label,
+)
 
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
@@ -63,12 +69,13 @@ def normalised_group(
     names = [item[0] for item in listed if isinstance(item, tuple)]
     tensors = [item[1] if isinstance(item, tuple) else item for item in listed]
     candidate = dict(param_group)
+    # named by its pairs, else by the group's own "param_names" (torch's add_param_group form)
+    labelled = {"param_names": names} if len(names) == len(tensors) else param_group
     for position, param in enumerate(tensors):
         try:
             check_param_tensor(param)
         except (TypeError, ValueError) as error:
-            named = len(names) == len(tensors)
-            label = repr(names[position]) if named else f"param_groups[{index}][{position}]"
+            label = parameter_label(labelled, index, position)
             raise type(error)(f"parameter {label}: {error}") from None
     candidate["params"] = tensors
     if names:
