@@ -5,27 +5,22 @@ never at all."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from gefen.contracts import (
-    CheckpointSupport,
-    CheckpointTransport,
     ConformanceError,
     ContractValueError,
-    OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
     ParameterLayout,
-    Precision,
-    ProcessGroupScope,
     StateExtent,
     StateField,
     StateGeometry,
     StateScope,
     StateVariant,
-    TrainingSupport,
 )
 from gefen.contracts.conformance import check_state_dict, match_state_variant
 
@@ -41,28 +36,6 @@ def field(name: str, scope: StateScope = StateScope.PARAMETER, **extra: Any) -> 
 def variant(name: str, fields: tuple[str, ...], **extra: Any) -> StateVariant:
     return StateVariant(
         name=name, fields=fields, layouts={REPLICATED}, extent=StateExtent.GLOBAL_PARAMETER, **extra
-    )
-
-
-def contract(layout: OptimizerStateLayout) -> OptimizerContract:
-    return OptimizerContract(
-        implementation="example.Optimizer",
-        state_layout=layout,
-        capabilities=OptimizerCapabilities(
-            training=[
-                TrainingSupport(layout=REPLICATED, process_group_scope=ProcessGroupScope.NONE)
-            ],
-            checkpoints=[
-                CheckpointSupport(
-                    transport=CheckpointTransport.NATIVE_OPTIMIZER,
-                    same_topology={REPLICATED},
-                    process_group_scope=ProcessGroupScope.NONE,
-                    requires_collective=False,
-                    atomic_load=False,
-                )
-            ],
-            precisions={Precision.FLOAT32},
-        ),
     )
 
 
@@ -119,13 +92,14 @@ def test_an_optional_parameter_field_may_be_absent() -> None:
         match_state_variant(layout, ["step", "v"])  # the required ``m`` is missing
 
 
-def _matrix_only() -> OptimizerContract:
-    return contract(
-        OptimizerStateLayout(
-            fields=[field("step"), field("m")],
-            parameter_variants=[variant("matrix", ("step", "m"), parameter_ranks=(2,))],
-        )
+@pytest.fixture
+def matrix_only(adamw_contract: OptimizerContract) -> OptimizerContract:
+    """A contract whose one variant is for matrices (AdamW's capabilities)."""
+    layout = OptimizerStateLayout(
+        fields=[field("step"), field("m")],
+        parameter_variants=[variant("matrix", ("step", "m"), parameter_ranks=(2,))],
     )
+    return dataclasses.replace(adamw_contract, state_layout=layout)
 
 
 def _state_dict() -> dict[str, Any]:
@@ -136,16 +110,20 @@ def _state_dict() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("key", ["0", "bias", 7])
-def test_a_filter_keyed_by_nothing_in_the_state_dict_is_refused(key: object) -> None:
+def test_a_filter_keyed_by_nothing_in_the_state_dict_is_refused(
+    matrix_only: OptimizerContract, key: object
+) -> None:
     """Keyed by name or by a str index, the filter was dropped and a 1-D parameter's entry
     passed a matrix-only contract."""
     with pytest.raises(ConformanceError, match=r"check_state_dict\.ndims: keys name no state"):
-        check_state_dict(_matrix_only(), _state_dict(), ndims={key: 1})
+        check_state_dict(matrix_only, _state_dict(), ndims={key: 1})
     with pytest.raises(ConformanceError, match="no state variant matches"):
-        check_state_dict(_matrix_only(), _state_dict(), ndims={0: 1})  # keyed right: it fails
+        check_state_dict(matrix_only, _state_dict(), ndims={0: 1})  # keyed right: it fails
 
 
-def test_a_filter_may_name_a_listed_parameter_without_state() -> None:
+def test_a_filter_may_name_a_listed_parameter_without_state(
+    matrix_only: OptimizerContract,
+) -> None:
     """Parameter 1 has no entry yet (no step took it): a mapping over every parameter is fine."""
-    result = check_state_dict(_matrix_only(), _state_dict(), ndims={0: 2, 1: 1})
+    result = check_state_dict(matrix_only, _state_dict(), ndims={0: 2, 1: 1})
     assert result == {0: ("matrix",)}
