@@ -100,6 +100,14 @@ def stream_tensor(seed: tuple[int, int] | None, device: torch.device) -> Tensor:
 
 _COMPILED: dict[tuple[str, str, tuple[Any, ...]], Callable[..., Any]] = {}
 
+GRAPHS_PER_VARIANT = 64
+"""Dynamo's recompile limit for each compiled variant. Even with ``dynamic=True`` a shape
+compiles a graph of its own class: a dimension of 1 (sizes 0 and 1 are specialised), equal
+dimensions (duck sizing), a dimension over inductor's CPU reduction bound (4096), a parameter
+with or without ``requires_grad``. Dynamo's default limit is 8, and past it ``fullgraph=True``
+raises in the middle of the commit: a model with nine such shapes (an embedding of 4100 rows,
+``Linear(64, 1)``, a square and a non-square matrix ...) left its step half-written, latched."""
+
 
 def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any, ...]) -> Any:
     """``function`` compiled for one structural variant (dtypes, codec, flags, scan window),
@@ -117,7 +125,9 @@ def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any
         clone = types.FunctionType(
             code, function.__globals__, code.co_name, function.__defaults__, function.__closure__
         )
-        found = torch.compile(clone, fullgraph=True, dynamic=True)
+        found = torch.compile(  # type: ignore[call-overload]  # the overloads lack the limit
+            clone, fullgraph=True, dynamic=True, recompile_limit=GRAPHS_PER_VARIANT
+        )
         _COMPILED[key] = found
     return found
 
@@ -279,22 +289,26 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
     failure surfaces in the local preflight instead of the commit."""
     device_type, dtype, codec, family = key
     device = torch.device(device_type)
-    param = torch.zeros(4, 8, dtype=dtype, device=device)
-    entry: dict[str, Any] = {"period": 8, "step": 0, "v_step": 0}
+    # A parameter as the step sees one (requires_grad is in Dynamo's guards), no two sizes
+    # equal (duck sizing would guard the equality): 3 rows of 24 against HP_SIZE 8, codebooks
+    # of 256 or 16 and codebook4's 12 bytes a row.
+    rows, cols = 3, 24
+    param = torch.zeros(rows, cols, dtype=dtype, device=device, requires_grad=True)
+    entry: dict[str, Any] = {"period": cols, "step": 0, "v_step": 0}
     codebook = None
     if codec in ("codebook8", "codebook4"):
         size = PACKED_CODEBOOK_SIZE if codec == "codebook4" else 256
         codebook = torch.linspace(-1.0, 1.0, size, device=device)
-        width = code_bytes(8, packed=codec == "codebook4")
-        entry["momentum_codes"] = torch.zeros(4, width, dtype=torch.uint8, device=device)
-        entry["momentum_scale"] = torch.zeros(4, 1, device=device)
+        width = code_bytes(cols, packed=codec == "codebook4")
+        entry["momentum_codes"] = torch.zeros(rows, width, dtype=torch.uint8, device=device)
+        entry["momentum_scale"] = torch.zeros(rows, 1, device=device)
     else:
-        entry["momentum"] = torch.zeros(4, 8, device=device)
+        entry["momentum"] = torch.zeros(rows, cols, device=device)
     if family == "factored":
-        entry["v_row"] = torch.zeros(4, device=device)
-        entry["v_col"] = torch.zeros(8, device=device)
+        entry["v_row"] = torch.zeros(rows, device=device)
+        entry["v_col"] = torch.zeros(cols, device=device)
     else:
-        entry["v_block"] = torch.zeros(4, 1, device=device)
+        entry["v_block"] = torch.zeros(rows, 1, device=device)
     # the defaults' variant, so that a default run compiles nothing after this
     scalars = StepScalars(
         1e-3, (0.9, 0.999), 1e-8, 0.0, codebook, None, factored_floor=True, nesterov=True

@@ -191,6 +191,12 @@ def run_step(
     to Python attributes (the global step, the codebook), so a compiled training loop would
     silently stop training. It runs eagerly there (one graph break) and runs its own compiled
     kernels."""
+    if torch.is_inference_mode_enabled():
+        # Run outside it: state the step allocates would be inference tensors, which no later
+        # step outside the mode can update (its commit would fail, and latch), and the kernel
+        # selection reads version counters, which inference tensors lack.
+        with torch.inference_mode(False):
+            return run_step(optimizer, call_args, call_kwargs)
     if len(call_args) > 1 or (call_kwargs and (call_args or set(call_kwargs) != {"closure"})):
         STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
     op = optimizer.guarded_operation()
@@ -233,6 +239,9 @@ def run_load(
     prepare: Callable[[], PreparedLoadLike],
 ) -> None:
     """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
+    if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
+        with torch.inference_mode(False):
+            return run_load(optimizer, prepare)
     op = optimizer.guarded_operation()
     if op.scope and op.binding is None:
         # One stale file on one rank must not load: replicated state is compared in the vote.
