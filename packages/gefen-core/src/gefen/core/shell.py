@@ -220,7 +220,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     def check_latch(self) -> None:
         if self._commit_failed:
-            raise RuntimeError(f"{self.OWNER_NAME}: {_LATCHED}")
+            raise RuntimeError(self.latch_message(f"{self.OWNER_NAME}: {_LATCHED}"))
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels; the
@@ -427,11 +427,6 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return self._global_step
 
     @property
-    def latched(self) -> bool:
-        """Whether a commit failed part-way; only a successful load clears it."""
-        return self._commit_failed
-
-    @property
     def codebook(self) -> Tensor | None:
         """The learned fp32 codebook (256 values, 16 for codebook4), or None."""
         return self._codebook
@@ -486,7 +481,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         self, state_dict: Mapping[str, Any], *, checkpoint_binding: object = None
     ) -> None:
         """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
-        run_load(self, lambda: self._checked_prepare(state_dict, checkpoint_binding))
+        run_load(self, lambda: self._checked_prepare(state_dict, checkpoint_binding), state_dict)
 
     # -- pickling and copies (§2.4) ---------------------------------------------------------
 

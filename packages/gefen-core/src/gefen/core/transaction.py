@@ -12,12 +12,13 @@ templates never touch a private flag of anything else.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from gefen.core.checked import options_word
+from gefen.core.validation import local_tensor
 from gefen.dist import (
     PHASE_LOAD_VALIDATION,
     PHASE_STEP_PREFLIGHT,
@@ -35,6 +36,7 @@ from gefen.dist.torch_internals import (
 )
 
 __all__ = [
+    "IN_PLACE_REFUSAL",
     "STEP_SIGNATURE",
     "HookedStepState",
     "LoadParticipant",
@@ -56,6 +58,22 @@ class HookedStepState:
     """
 
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = HOOK_REGISTRIES
+    OWNER_NAME: ClassVar[str]
+    _commit_failed: bool | str = False  # the latch: True after a failed commit, or a reason
+
+    @property
+    def latched(self) -> bool:
+        """Whether a commit failed part-way or a refused load wrote the state; a load clears it."""
+        return bool(self._commit_failed)
+
+    def latch(self, reason: str) -> None:
+        """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
+        self._commit_failed = reason
+
+    def latch_message(self, failed_commit: str) -> str:
+        """Why every step is refused: the ``latch`` reason, else ``failed_commit``'s words."""
+        latched = self._commit_failed
+        return f"{self.OWNER_NAME}: {latched}" if isinstance(latched, str) else failed_commit
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -103,7 +121,38 @@ class PreparedLoadLike(Protocol):
 
 
 class LoadParticipant(Protocol):
+    @property
+    def state(self) -> Any: ...
     def guarded_operation(self) -> GuardedOperation: ...
+    def latch(self, reason: str) -> None: ...
+
+
+IN_PLACE_REFUSAL = (
+    "a refused load had already been written into this optimizer's live state (its tensors were "
+    "those of this optimizer's own state_dict(), as in a DCP load template that dcp.load fills "
+    "in place); load a valid checkpoint with load_state_dict to continue"
+)
+
+
+def _storages(value: object) -> Iterator[int]:
+    """The storage address of every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        local = local_tensor(value)
+        if local.device.type != "meta" and local.numel() > 0:
+            yield local.untyped_storage().data_ptr()
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _storages(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _storages(item)
+
+
+def holds_live_state(optimizer: LoadParticipant, incoming: object) -> bool:
+    """Whether a state dict being loaded shares a tensor with the optimizer's live state: then
+    whatever wrote it (``dcp.load`` into a template) has written the live state already."""
+    live = set(_storages(list(optimizer.state.values())))
+    return any(address in live for address in _storages(incoming))
 
 
 def amp_controls_present(optimizer: object) -> bool:
@@ -237,20 +286,31 @@ def run_step(
 def run_load(
     optimizer: LoadParticipant,
     prepare: Callable[[], PreparedLoadLike],
+    incoming: object = None,
 ) -> None:
-    """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2)."""
+    """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2).
+
+    A refused load changes nothing, unless ``incoming`` (the state dict) is made of the live
+    state's own tensors: whatever filled it wrote the optimizer already, so the refusal latches
+    it (``IN_PLACE_REFUSAL``) rather than let it train on the refused values."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
-            return run_load(optimizer, prepare)
+            return run_load(optimizer, prepare, incoming)
+    in_place = incoming is not None and holds_live_state(optimizer, incoming)
     op = optimizer.guarded_operation()
-    if op.scope and op.binding is None:
-        # One stale file on one rank must not load: replicated state is compared in the vote.
-        prepared = op.local_agreeing(
-            PHASE_LOAD_VALIDATION, "replicated state", lambda: _with_replica_words(prepare())
-        )
-    else:
-        prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
-    prepared.agree(op)
+    try:
+        if op.scope and op.binding is None:
+            # One stale file on one rank must not load: replicated state is compared in the vote.
+            prepared = op.local_agreeing(
+                PHASE_LOAD_VALIDATION, "replicated state", lambda: _with_replica_words(prepare())
+            )
+        else:
+            prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
+        prepared.agree(op)
+    except BaseException:
+        if in_place:
+            optimizer.latch(IN_PLACE_REFUSAL)
+        raise
     prepared.commit()
     prepared.run_post_hooks()
 

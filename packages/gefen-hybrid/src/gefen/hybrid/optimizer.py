@@ -352,7 +352,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     def check_latch(self) -> None:
         if self._commit_failed:
-            raise RuntimeError(_LATCHED)
+            raise RuntimeError(self.latch_message(_LATCHED))
         self.check_layout()
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
@@ -433,7 +433,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Atomic over both children: prepare (voted), agree, commit, post-hooks."""
-        run_load(self, lambda: prepare_hybrid_load(self, state_dict))
+        run_load(self, lambda: prepare_hybrid_load(self, state_dict), state_dict)
 
     def publish_load(
         self, muon: PreparedChildLoad | None, backup: PreparedChildLoad | None

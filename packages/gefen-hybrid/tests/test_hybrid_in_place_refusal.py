@@ -1,0 +1,80 @@
+"""A refused load whose state dict is the optimizer's own live state (a DCP load template:
+``get_optimizer_state_dict`` hands out the live tensors and ``dcp.load`` fills them in place)
+has already written the file into the optimizer. The refusal used to leave it training on the
+refused values (a NaN scale turned the parameters NaN; another sharded mode's momentum was used
+silently); it now latches it until a valid checkpoint loads (docs/core.md §8.2)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from gefen.core import Gefen
+from gefen.hybrid import GefenMuonHybrid
+from gefen.muon import GefenMuon
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+
+
+BUILDERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
+    "gefen": lambda model: Gefen(model.parameters(), lr=1e-2),
+    "muon": lambda model: GefenMuon(
+        [param for param in model.parameters() if param.ndim == 2], lr=1e-2
+    ),
+    "hybrid": lambda model: GefenMuonHybrid.from_model(model, lr=1e-2),
+}
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(8, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _a_live_scale(state_dict: dict) -> torch.Tensor:
+    """The first ``momentum_scale`` of the state dict (nested per child for the hybrid)."""
+    for key in ("state", "muon"):
+        if key in state_dict:
+            inner = state_dict[key] if key == "state" else state_dict[key]["state"]
+            return next(entry["momentum_scale"] for entry in inner.values() if entry)
+    raise AssertionError("no momentum_scale")
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_a_refused_load_written_into_the_live_state_latches(kind: str) -> None:
+    model = _model()
+    optimizer = BUILDERS[kind](model)
+    _train(model, optimizer, 2)
+    saved = copy.deepcopy(optimizer.state_dict())  # a valid checkpoint to come back to
+    template = optimizer.state_dict()
+    _a_live_scale(template).fill_(float("nan"))  # what dcp.load of a corrupt file does
+    with pytest.raises(ValueError, match="must be finite"):
+        optimizer.load_state_dict(template)
+    assert optimizer.latched
+    with pytest.raises(RuntimeError, match="refused load had already been written"):
+        _train(model, optimizer, 1)
+    optimizer.load_state_dict(saved)  # clears the latch
+    assert not optimizer.latched
+    _train(model, optimizer, 1)
+    assert all(torch.isfinite(param).all() for param in model.parameters())
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_the_own_state_dict_still_loads_and_a_copy_refused_changes_nothing(kind: str) -> None:
+    model = _model()
+    optimizer = BUILDERS[kind](model)
+    _train(model, optimizer, 2)
+    optimizer.load_state_dict(optimizer.state_dict())  # in place and valid: loads
+    corrupt = copy.deepcopy(optimizer.state_dict())
+    _a_live_scale(corrupt).fill_(float("nan"))
+    with pytest.raises(ValueError, match="must be finite"):
+        optimizer.load_state_dict(corrupt)
+    assert not optimizer.latched  # a copy: nothing was written, nothing to latch
+    _train(model, optimizer, 1)
