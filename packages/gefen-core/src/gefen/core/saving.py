@@ -141,7 +141,8 @@ def build_state_dict(
             packed[EXTRAS_KEY].pop("rank_local", None)
         groups.append(packed)
     top = {**_extras_copy(optimizer, entries), **agreed}
-    return {"state": state, "param_groups": groups, EXTRAS_KEY: top}
+    # the live tensors it shares: a load refused after they were written in place latches
+    return optimizer.hand_out({"state": state, "param_groups": groups, EXTRAS_KEY: top})
 
 
 def torch_indices(param_groups: list[dict[str, Any]]) -> list[list[int]]:

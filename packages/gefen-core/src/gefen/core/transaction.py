@@ -12,8 +12,9 @@ templates never touch a private flag of anything else.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import torch
 
@@ -33,7 +34,10 @@ from gefen.dist.torch_internals import (
     set_grad_enabled,
     step_post_hooks,
     step_pre_hooks,
+    tensor_version,
 )
+
+_Dict = TypeVar("_Dict")
 
 __all__ = [
     "IN_PLACE_REFUSAL",
@@ -60,11 +64,41 @@ class HookedStepState:
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = HOOK_REGISTRIES
     OWNER_NAME: ClassVar[str]
     _commit_failed: bool | str = False  # the latch: True after a failed commit, or a reason
+    # hand_out's record: the commit count it is good for, and by storage address the live
+    # tensor handed out with its in-place version then
+    _handed_out: tuple[int, dict[int, tuple[weakref.ref[torch.Tensor], int]]] | None = None
 
     @property
     def latched(self) -> bool:
         """Whether a commit failed part-way or a refused load wrote the state; a load clears it."""
         return bool(self._commit_failed)
+
+    def hand_out(self, state_dict: _Dict) -> _Dict:
+        """Note the in-place version of each live state tensor ``state_dict`` shares, as it was
+        when first handed out since the last commit (a DCP load asks again after it wrote the
+        file into its template); ``written_in_place`` compares them at a load."""
+        record = self._handed_out
+        if record is None or record[0] != _COMMITS[0]:
+            record = self._handed_out = (_COMMITS[0], {})
+        shared = set(_storages(state_dict))
+        for tensor in _live_tensors(cast(Any, self).state):  # torch's, or the hybrid's view
+            address = tensor.untyped_storage().data_ptr()
+            if address in shared and address not in record[1]:
+                record[1][address] = (weakref.ref(tensor), tensor_version(tensor))
+        return state_dict
+
+    def written_in_place(self, incoming: object) -> bool:
+        """Whether a live state tensor that ``incoming`` shares was written after it was handed
+        out by ``state_dict()`` (no commit since): then the load's input is already in it."""
+        record = self._handed_out
+        if record is None or record[0] != _COMMITS[0]:
+            return False
+        for address in _storages(incoming):
+            noted = record[1].get(address)
+            live = None if noted is None else noted[0]()
+            if live is not None and noted is not None and tensor_version(live) != noted[1]:
+                return True
+        return False
 
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
@@ -121,9 +155,8 @@ class PreparedLoadLike(Protocol):
 
 
 class LoadParticipant(Protocol):
-    @property
-    def state(self) -> Any: ...
     def guarded_operation(self) -> GuardedOperation: ...
+    def written_in_place(self, incoming: object) -> bool: ...
     def latch(self, reason: str) -> None: ...
 
 
@@ -134,11 +167,31 @@ IN_PLACE_REFUSAL = (
 )
 
 
+_COMMITS = [0]
+"""Steps and loads that reached their commit in this process: a ``hand_out`` record is good
+until the next one (a commit writes the live state itself)."""
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """Strided, with data (a sparse or meta tensor has no storage to compare)."""
+    return tensor.layout == torch.strided and tensor.device.type != "meta" and tensor.numel() > 0
+
+
+def _live_tensors(state: Mapping[Any, Any]) -> Iterator[torch.Tensor]:
+    for entry in state.values():
+        if isinstance(entry, Mapping):
+            for value in entry.values():
+                if isinstance(value, torch.Tensor):
+                    local = local_tensor(value)
+                    if _has_storage(local):
+                        yield local
+
+
 def _storages(value: object) -> Iterator[int]:
     """The storage address of every tensor in a nest of dicts, lists and tuples."""
     if isinstance(value, torch.Tensor):
         local = local_tensor(value)
-        if local.device.type != "meta" and local.numel() > 0:
+        if _has_storage(local):
             yield local.untyped_storage().data_ptr()
     elif isinstance(value, Mapping):
         for item in value.values():
@@ -146,13 +199,6 @@ def _storages(value: object) -> Iterator[int]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _storages(item)
-
-
-def holds_live_state(optimizer: LoadParticipant, incoming: object) -> bool:
-    """Whether a state dict being loaded shares a tensor with the optimizer's live state: then
-    whatever wrote it (``dcp.load`` into a template) has written the live state already."""
-    live = set(_storages(list(optimizer.state.values())))
-    return any(address in live for address in _storages(incoming))
 
 
 def amp_controls_present(optimizer: object) -> bool:
@@ -267,6 +313,7 @@ def run_step(
         )
     optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
+    _COMMITS[0] += 1
     try:
         grad_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)  # torch.no_grad() without its Python context-manager frames
@@ -290,13 +337,14 @@ def run_load(
 ) -> None:
     """Prepare (voted as "load validation"), agree, commit, then the post-hooks (§8.2).
 
-    A refused load changes nothing, unless ``incoming`` (the state dict) is made of the live
-    state's own tensors: whatever filled it wrote the optimizer already, so the refusal latches
-    it (``IN_PLACE_REFUSAL``) rather than let it train on the refused values."""
+    A refused load changes nothing, unless ``incoming`` (the state dict) holds live state
+    tensors written since ``state_dict()`` handed them out (``dcp.load`` fills its template in
+    place): the optimizer holds the refused values already, so the refusal latches it
+    (``IN_PLACE_REFUSAL``) rather than let it train on them."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
             return run_load(optimizer, prepare, incoming)
-    in_place = incoming is not None and holds_live_state(optimizer, incoming)
+    in_place = incoming is not None and optimizer.written_in_place(incoming)
     op = optimizer.guarded_operation()
     try:
         if op.scope and op.binding is None:
@@ -311,6 +359,7 @@ def run_load(
         if in_place:
             optimizer.latch(IN_PLACE_REFUSAL)
         raise
+    _COMMITS[0] += 1
     prepared.commit()
     prepared.run_post_hooks()
 

@@ -429,7 +429,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     # -- checkpoints (§8) ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return state_dict_with_hooks(self, lambda: build_hybrid_state_dict(self))  # type: ignore[no-any-return]
+        return state_dict_with_hooks(self, lambda: self.hand_out(build_hybrid_state_dict(self)))  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Atomic over both children: prepare (voted), agree, commit, post-hooks."""
