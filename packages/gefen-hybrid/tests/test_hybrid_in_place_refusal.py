@@ -78,3 +78,34 @@ def test_the_own_state_dict_still_loads_and_a_copy_refused_changes_nothing(kind:
         optimizer.load_state_dict(corrupt)
     assert not optimizer.latched  # a copy: nothing was written, nothing to latch
     _train(model, optimizer, 1)
+
+
+def test_another_optimizers_commit_does_not_hide_the_write() -> None:
+    """The note of what was handed out is each optimizer's own: a process-wide count of commits
+    let one optimizer's load (a DCP resume of two optimizers) or step disarm the other's."""
+    first_model, second_model = _model(), _model()
+    first, second = Gefen(first_model.parameters(), lr=1e-2), Gefen(second_model.parameters())
+    _train(first_model, first, 2)
+    _train(second_model, second, 2)
+    first_template, second_template = first.state_dict(), second.state_dict()
+    _a_live_scale(first_template).fill_(float("nan"))
+    second.load_state_dict(second_template)  # valid: loads, and commits
+    _train(second_model, second, 1)
+    with pytest.raises(ValueError, match="must be finite"):
+        first.load_state_dict(first_template)
+    assert first.latched
+    assert not second.latched
+
+
+def test_the_optimizers_own_codebook_refresh_is_not_a_foreign_write() -> None:
+    """A refresh remaps the codes in place: the optimizer's own write, no reason to latch."""
+    model = _model()
+    optimizer = Gefen(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 2)
+    template = optimizer.state_dict()
+    model(torch.randn(8, 16)).square().mean().backward()
+    assert optimizer.refresh_codebook()
+    with pytest.raises(TypeError, match="checkpoint_binding"):
+        optimizer.load_state_dict(template, checkpoint_binding=object())
+    assert not optimizer.latched
+    _train(model, optimizer, 1)

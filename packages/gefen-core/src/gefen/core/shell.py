@@ -385,6 +385,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         failure part-way latches."""
         if not learning.periods and learning.remap is None and learning.codebook is None:
             return
+        self.note_commit()
         try:
             codebook_ops.publish(self, learning)
             if learning.codebook is not None:

@@ -67,6 +67,17 @@ class HookedStepState:
     # hand_out's record: the commit count it is good for, and by storage address the live
     # tensor handed out with its in-place version then
     _handed_out: tuple[int, dict[int, tuple[weakref.ref[torch.Tensor], int]]] | None = None
+    _commits = 0  # the optimizer's own writes of its live state (note_commit)
+
+    def note_commit(self) -> None:
+        """The optimizer itself is about to write its live state (a step's or a load's commit,
+        a codebook publication): what ``hand_out`` noted can no longer tell a foreign write."""
+        self._commits += 1
+
+    @property
+    def commit_count(self) -> int:
+        """How many times the optimizer has written its live state itself (``note_commit``)."""
+        return self._commits
 
     @property
     def latched(self) -> bool:
@@ -75,11 +86,11 @@ class HookedStepState:
 
     def hand_out(self, state_dict: _Dict) -> _Dict:
         """Note the in-place version of each live state tensor ``state_dict`` shares, as it was
-        when first handed out since the last commit (a DCP load asks again after it wrote the
-        file into its template); ``written_in_place`` compares them at a load."""
+        when first handed out since the optimizer's last own write (a DCP load asks again after
+        it wrote the file into its template); ``written_in_place`` compares them at a load."""
         record = self._handed_out
-        if record is None or record[0] != _COMMITS[0]:
-            record = self._handed_out = (_COMMITS[0], {})
+        if record is None or record[0] != self.commit_count:
+            record = self._handed_out = (self.commit_count, {})
         shared = set(_storages(state_dict))
         for tensor in _live_tensors(cast(Any, self).state):  # torch's, or the hybrid's view
             address = tensor.untyped_storage().data_ptr()
@@ -91,7 +102,7 @@ class HookedStepState:
         """Whether a live state tensor that ``incoming`` shares was written after it was handed
         out by ``state_dict()`` (no commit since): then the load's input is already in it."""
         record = self._handed_out
-        if record is None or record[0] != _COMMITS[0]:
+        if record is None or record[0] != self.commit_count:
             return False
         for address in _storages(incoming):
             noted = record[1].get(address)
@@ -143,6 +154,7 @@ class StepParticipant(Protocol):
     def step_header_payload(self) -> Any: ...
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
     def check_step_agreement(self) -> None: ...
+    def note_commit(self) -> None: ...
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
 
 
@@ -157,6 +169,7 @@ class PreparedLoadLike(Protocol):
 class LoadParticipant(Protocol):
     def guarded_operation(self) -> GuardedOperation: ...
     def written_in_place(self, incoming: object) -> bool: ...
+    def note_commit(self) -> None: ...
     def latch(self, reason: str) -> None: ...
 
 
@@ -165,11 +178,6 @@ IN_PLACE_REFUSAL = (
     "those of this optimizer's own state_dict(), as in a DCP load template that dcp.load fills "
     "in place); load a valid checkpoint with load_state_dict to continue"
 )
-
-
-_COMMITS = [0]
-"""Steps and loads that reached their commit in this process: a ``hand_out`` record is good
-until the next one (a commit writes the live state itself)."""
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
@@ -313,7 +321,7 @@ def run_step(
         )
     optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
-    _COMMITS[0] += 1
+    optimizer.note_commit()
     try:
         grad_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)  # torch.no_grad() without its Python context-manager frames
@@ -359,7 +367,7 @@ def run_load(
         if in_place:
             optimizer.latch(IN_PLACE_REFUSAL)
         raise
-    _COMMITS[0] += 1
+    optimizer.note_commit()
     prepared.commit()
     prepared.run_post_hooks()
 

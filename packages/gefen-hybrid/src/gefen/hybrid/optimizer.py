@@ -350,6 +350,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     "groups were added, removed or resized"
                 )
 
+    @property
+    def commit_count(self) -> int:
+        """Its own commits and its children's (a child's codebook refresh writes its state)."""
+        return self._commits + sum(getattr(child, "commit_count", 0) for child in self.children)
+
     def check_latch(self) -> None:
         if self._commit_failed:
             raise RuntimeError(self.latch_message(_LATCHED))
