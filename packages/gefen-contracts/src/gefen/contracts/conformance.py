@@ -207,7 +207,8 @@ def _parameter_names(
     keys = list(state_dict["state"])
     for group in state_dict["param_groups"]:
         listed = group.get("params") if isinstance(group, dict) else None
-        keys.extend(key for key in listed or () if isinstance(listed, list) and _hashable(key))
+        if isinstance(listed, list):
+            keys.extend(key for key in listed if _hashable(key))
     names.update(f"{prefix}{key}" if prefix else key for key in keys)
     return names
 

@@ -428,6 +428,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return self._global_step
 
     @property
+    def commit_count(self) -> int:
+        return self._commits + self._global_step  # a step's commit advances the global step
+
+    @property
     def codebook(self) -> Tensor | None:
         """The learned fp32 codebook (256 values, 16 for codebook4), or None."""
         return self._codebook

@@ -70,13 +70,17 @@ class HookedStepState:
     _commits = 0  # the optimizer's own writes of its live state (note_commit)
 
     def note_commit(self) -> None:
-        """The optimizer itself is about to write its live state (a step's or a load's commit,
-        a codebook publication): what ``hand_out`` noted can no longer tell a foreign write."""
+        """The optimizer itself is about to write its live state (a load's commit, a codebook
+        publication; a step's is in ``commit_count``): what ``hand_out`` noted can no longer
+        tell a foreign write. The note is dropped too: a load may set the global step back."""
         self._commits += 1
+        self._handed_out = None
 
     @property
     def commit_count(self) -> int:
-        """How many times the optimizer has written its live state itself (``note_commit``)."""
+        """How many times the optimizer has written its live state itself: ``note_commit``'s
+        count, plus what a subclass counts anyway (the shell its global step, so a step's
+        commit costs nothing here)."""
         return self._commits
 
     @property
@@ -91,8 +95,9 @@ class HookedStepState:
         record = self._handed_out
         if record is None or record[0] != self.commit_count:
             record = self._handed_out = (self.commit_count, {})
-        shared = set(_storages(state_dict))
-        for tensor in _live_tensors(cast(Any, self).state):  # torch's, or the hybrid's view
+        shared = {tensor.untyped_storage().data_ptr() for tensor in _tensors(state_dict)}
+        live_state = list(cast(Any, self).state.values())  # torch's, or the hybrid's view
+        for tensor in _tensors(live_state):
             address = tensor.untyped_storage().data_ptr()
             if address in shared and address not in record[1]:
                 record[1][address] = (weakref.ref(tensor), tensor_version(tensor))
@@ -104,11 +109,12 @@ class HookedStepState:
         record = self._handed_out
         if record is None or record[0] != self.commit_count:
             return False
-        for address in _storages(incoming):
-            noted = record[1].get(address)
-            live = None if noted is None else noted[0]()
-            if live is not None and noted is not None and tensor_version(live) != noted[1]:
-                return True
+        for tensor in _tensors(incoming):
+            noted = record[1].get(tensor.untyped_storage().data_ptr())
+            if noted is not None:
+                live = noted[0]()
+                if live is not None and tensor_version(live) != noted[1]:
+                    return True
         return False
 
     def latch(self, reason: str) -> None:
@@ -154,7 +160,6 @@ class StepParticipant(Protocol):
     def step_header_payload(self) -> Any: ...
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
     def check_step_agreement(self) -> None: ...
-    def note_commit(self) -> None: ...
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
 
 
@@ -185,28 +190,18 @@ def _has_storage(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and tensor.device.type != "meta" and tensor.numel() > 0
 
 
-def _live_tensors(state: Mapping[Any, Any]) -> Iterator[torch.Tensor]:
-    for entry in state.values():
-        if isinstance(entry, Mapping):
-            for value in entry.values():
-                if isinstance(value, torch.Tensor):
-                    local = local_tensor(value)
-                    if _has_storage(local):
-                        yield local
-
-
-def _storages(value: object) -> Iterator[int]:
-    """The storage address of every tensor in a nest of dicts, lists and tuples."""
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """Every local tensor with a storage in a nest of dicts, lists and tuples."""
     if isinstance(value, torch.Tensor):
         local = local_tensor(value)
         if _has_storage(local):
-            yield local.untyped_storage().data_ptr()
+            yield local
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from _storages(item)
+            yield from _tensors(item)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _storages(item)
+            yield from _tensors(item)
 
 
 def amp_controls_present(optimizer: object) -> bool:
@@ -321,7 +316,6 @@ def run_step(
         )
     optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
-    optimizer.note_commit()
     try:
         grad_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)  # torch.no_grad() without its Python context-manager frames

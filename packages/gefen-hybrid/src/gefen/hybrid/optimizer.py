@@ -411,6 +411,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         hybrid; one in the first child's read-only phase 4 leaves it as it was."""
         op = operation if operation is not None else self.guarded_operation()
         done = 0
+        self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
         try:
             with torch.no_grad():
                 for _, participant in self._participants:
