@@ -142,6 +142,60 @@ def scenario_one_rank_edited_option(rank: int, world_size: int, option: str) -> 
     return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
 
 
+def scenario_one_rank_moved_parameter(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    optimizer = Gefen([{"params": first}, {"params": second, "lr": 0.1}], lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    optimizer.zero_grad()
+    model(_batch(rank, 7)).square().mean().backward()
+    groups = optimizer.param_groups
+    if rank == 1:  # one member's groups built in another order (a set, a per-rank edit)
+        groups[0]["params"].append(groups[1]["params"].pop(0))
+    before = _snapshot(optimizer)
+    elapsed, error, _ = timed(optimizer.step)
+    changes = _changes(optimizer, before)
+    if rank == 1:
+        groups[1]["params"].insert(0, groups[0]["params"].pop())
+    optimizer.step()  # repaired: it trains, together
+    return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
+
+
+def scenario_one_rank_filled_tensor_lr(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=torch.tensor(0.01))
+    _train(model, optimizer, rank, range(2))
+    optimizer.zero_grad()
+    model(_batch(rank, 7)).square().mean().backward()
+    lr = optimizer.param_groups[0]["lr"]
+    if rank == 1:  # what a per-rank LR scheduler does to a tensor lr
+        lr.fill_(0.02)
+    before = _snapshot(optimizer)
+    elapsed, error, _ = timed(optimizer.step)
+    changes = _changes(optimizer, before)
+    lr.fill_(0.01)
+    optimizer.step()  # repaired: it trains, together
+    return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
+
+
+def scenario_one_rank_edited_defaults(rank: int, world_size: int) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    if rank == 1:  # defaults are not what the step agrees on: the groups hold the value
+        optimizer.defaults["codebook_refresh_every"] = 1
+    _train(model, optimizer, rank, range(2, 4))
+    codebook = optimizer.codebook
+    assert codebook is not None
+    return {"codebook": codebook.tolist(), "step": optimizer.global_step}
+
+
 def scenario_one_rank_load_rejection(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.core import Gefen
     from gefen.dist import DistributedStepError
@@ -234,6 +288,9 @@ SCENARIOS = [
     ("missing_grad", scenario_one_rank_missing_gradient, ()),
     ("edited_lr", scenario_one_rank_edited_option, ("lr",)),
     ("edited_period", scenario_one_rank_edited_option, ("force_2d_period_one",)),
+    ("moved_parameter", scenario_one_rank_moved_parameter, ()),
+    ("filled_tensor_lr", scenario_one_rank_filled_tensor_lr, ()),
+    ("edited_defaults", scenario_one_rank_edited_defaults, ()),
     ("rank_local", scenario_rank_local_refusal, ()),
     ("dcp", scenario_dcp_round_trip, ()),
 ]
@@ -303,6 +360,33 @@ def test_an_option_edited_on_one_rank_fails_every_rank_with_nothing_mutated(
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["step"] == 3
+
+
+@pytest.mark.parametrize("edit", ["moved_parameter", "filled_tensor_lr"])
+def test_a_group_moved_or_a_tensor_lr_filled_on_one_rank_fails_every_rank(
+    world: ScenarioWorld, edit: str
+) -> None:
+    # Both used to pass the vote and silently step that rank's shards with another lr: the
+    # options digest left out how many parameters each run of equal options steps, and wrote a
+    # tensor lr by dtype and shape only.
+    for result in world[edit]:
+        assert result["error"] == (
+            "GroupAgreementError: Gefen step preflight: group options differs across the "
+            "process-group members (every member must present the same; nothing was changed)"
+        )
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        assert result["step"] == 3
+
+
+def test_a_refresh_period_edited_in_defaults_on_one_rank_changes_no_collective(
+    world: ScenarioWorld,
+) -> None:
+    # It used to refresh on that rank alone: a collective the other rank never entered (Gloo
+    # aborted the process). The groups, which the vote agrees on, hold the period.
+    results = world["edited_defaults"]
+    assert [result["step"] for result in results] == [4, 4]
+    assert results[0]["codebook"] == results[1]["codebook"]
 
 
 def test_one_rank_load_rejection_raises_everywhere_and_commits_nowhere(

@@ -33,8 +33,13 @@ def test_only_what_each_parameter_is_stepped_with_counts_not_the_grouping() -> N
     one = [{"params": [a, b], "lr": 0.01}]
     split = [{"params": [a], "lr": 0.01}, {"params": [b], "lr": 0.01}, {"params": [], "lr": 9.0}]
     assert options_word(one) == options_word(split)
-    # parameter counts are the presence check's (and each optimizer's own checks') to compare
-    assert options_word(one) == options_word([{"params": [a], "lr": 0.01}])
+    # how many parameters each run steps is compared: a parameter moved on one member into a
+    # group with other options would be stepped with them there alone
+    assert options_word(one) != options_word([{"params": [a], "lr": 0.01}])
+    c = torch.zeros(4)
+    two_and_one = [{"params": [a, b], "lr": 0.01}, {"params": [c], "lr": 0.1}]
+    one_and_two = [{"params": [a], "lr": 0.01}, {"params": [b, c], "lr": 0.1}]
+    assert options_word(two_and_one) != options_word(one_and_two)
     assert options_word(split) != options_word(
         [{"params": [a], "lr": 0.01}, {"params": [b], "lr": 0.02}]
     )
@@ -51,6 +56,14 @@ def test_the_binding_form_counts_empty_groups_too() -> None:
     assert options_word(owner, empty_groups=True) != options_word(edited, empty_groups=True)
 
 
+def test_a_cpu_tensor_option_is_compared_by_value() -> None:
+    # An LR scheduler fills a tensor lr in place: one member's fill_ alone must change the word.
+    word = options_word(_groups(lr=torch.tensor(0.01)))
+    assert options_word(_groups(lr=torch.tensor(0.01))) == word
+    assert options_word(_groups(lr=torch.tensor(0.02))) != word
+    assert options_word(_groups(lr=torch.tensor(0.01, dtype=torch.float64))) != word
+
+
 def test_what_differs_per_process_by_construction_is_left_out() -> None:
     word = options_word(_groups())
     assert options_word(_groups(params=[torch.ones(3)], param_names=["a"])) == word
@@ -59,12 +72,15 @@ def test_what_differs_per_process_by_construction_is_left_out() -> None:
     assert options_word(reordered) == word
     # an object is written by its type only: its repr may hold a per-process address
     assert options_word(_groups(hook=lambda: 1)) == options_word(_groups(hook=lambda: 2))
-    # a tensor by dtype and shape: reading its value would synchronize a device
-    assert options_word(_groups(lr=torch.tensor(0.01))) == options_word(
-        _groups(lr=torch.tensor(0.5))
-    )
-    assert options_word(_groups(lr=torch.tensor(0.01))) != options_word(
-        _groups(lr=torch.tensor(0.01, dtype=torch.float64))
+
+    # a tensor off the CPU by dtype and shape: reading its value would synchronize a device
+    # (the meta device stands in for an accelerator: it holds no values at all)
+    def meta(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(value, dtype=dtype, device="meta")
+
+    assert options_word(_groups(lr=meta(0.01))) == options_word(_groups(lr=meta(0.5)))
+    assert options_word(_groups(lr=meta(0.01))) != options_word(
+        _groups(lr=meta(0.01, torch.float64))
     )
 
 

@@ -80,17 +80,25 @@ def value_key(value: Any, held: list[Any]) -> tuple[Any, ...]:
     return (kind, id(value))
 
 
+_READ_TENSOR_OPTIONS_UP_TO = 16
+"""A CPU tensor option (a tensor lr) is compared by value up to this many elements."""
+
+
 def _option_text(value: Any) -> str:
     """A value as every process writes it alike: a plain value by its repr, sequences item by
-    item, a tensor by dtype and shape (reading its value would synchronize a device), any
-    other object by its type only (its repr may hold a per-process address)."""
+    item, a tensor by dtype and shape and, on the CPU, its values (an accelerator tensor's
+    would cost a device synchronization: docs/dist.md §5), any other object by its type only
+    (its repr may hold a per-process address)."""
     if type(value) in PLAIN_VALUE_TYPES:
         return repr(value)
     if isinstance(value, (tuple, list)):
         items = ",".join(_option_text(item) for item in value)
         return f"({items})" if isinstance(value, tuple) else f"[{items}]"
     if isinstance(value, Tensor):
-        return f"tensor:{value.dtype}:{tuple(value.shape)}"
+        text = f"tensor:{value.dtype}:{tuple(value.shape)}"
+        if value.device.type == "cpu" and value.numel() <= _READ_TENSOR_OPTIONS_UP_TO:
+            text += f":{value.detach().reshape(-1).tolist()!r}"  # an LR scheduler's fill_
+        return text
     if isinstance(value, numbers.Real):  # a NumPy scalar: its value, as the step reads it
         return f"{type(value).__name__}:{float(value)!r}"
     return f"object:{type(value).__module__}.{type(value).__qualname__}"
@@ -100,25 +108,30 @@ def options_word(groups: Iterable[Mapping[Any, Any]], *, empty_groups: bool = Fa
     """A 56-bit digest of the options each parameter is stepped with, in parameter order (keys
     sorted, ``params`` and ``param_names`` left out): the step vote agrees on it, so an option
     edited on one process-group member alone fails every member before anything runs
-    (docs/dist.md §5). Adjacent groups with equal options count as one and parameter counts are
-    left out (the presence check and the optimizers' own checks compare those), so how the
-    parameters are split into groups is not compared, only the options they are stepped with.
+    (docs/dist.md §5). Adjacent groups with equal options count as one run, written with how
+    many parameters it steps: how the parameters are split into groups of equal options is not
+    compared, but a parameter moved into a group with other options on one member is.
 
-    ``empty_groups``: count a group with no parameters too. After ``post_sharding`` every
-    member keeps every group but holds only its own shards (a whole-parameter owner's group is
-    empty elsewhere), so the binding form's header compares every group (docs/dist.md §9.2)."""
-    runs: list[str] = []
+    ``empty_groups``: count a group with no parameters too, and leave the counts out. After
+    ``post_sharding`` every member keeps every group but holds only its own shards (a
+    whole-parameter owner's group is empty elsewhere), so the binding form's header compares
+    every group's options (docs/dist.md §9.2); the binding's presence pattern covers the rest."""
+    runs: list[tuple[str, int]] = []
     for group in groups:
-        if not empty_groups and not group.get("params"):
+        count = 0 if empty_groups else len(group.get("params") or ())
+        if not empty_groups and not count:
             continue  # an empty group steps nothing
         text = ";".join(
             f"{key!s}={_option_text(value)}"
             for key, value in sorted(group.items(), key=lambda item: str(item[0]))
             if key != "params" and key != "param_names"
         )
-        if not runs or runs[-1] != text:
-            runs.append(text)
-    digest = hashlib.blake2b("|".join(runs).encode(), digest_size=7)
+        if runs and runs[-1][0] == text:
+            runs[-1] = (text, runs[-1][1] + count)
+        else:
+            runs.append((text, count))
+    joined = "|".join(f"{text}#{count}" for text, count in runs)
+    digest = hashlib.blake2b(joined.encode(), digest_size=7)
     return int.from_bytes(digest.digest(), "big")
 
 

@@ -130,7 +130,12 @@ def _scoped(opt: ShellInterface, op: GuardedOperation) -> bool:
 
 
 def refresh_due(opt: ShellInterface) -> bool:
-    every = int(opt.defaults.get("codebook_refresh_every", 0))
+    """Whether this step refreshes the codebook. The period is read from the groups, which the
+    step vote agrees on (optimizer-wide: every group holds the constructor's value), never from
+    ``defaults``, which one member may edit alone: its refresh would be a collective the others
+    never enter."""
+    groups = opt.param_groups
+    every = int(groups[0].get("codebook_refresh_every", 0)) if groups else 0
     return every > 0 and opt.global_step > 0 and opt.global_step % every == 0
 
 
