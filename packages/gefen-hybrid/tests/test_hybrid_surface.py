@@ -786,11 +786,7 @@ def test_deepcopy_hooks_fire_once_and_the_copy_steps_only_itself(
         hybrid.step()
         assert calls == [("pre", hybrid), ("post", hybrid)]
         assert all(torch.equal(b, p) for b, p in zip(copies_before, copies, strict=True))
-        if backend == "gefen":
-            assert global_calls == [hybrid, hybrid]
-        else:
-            # The AdamW child's own step fires torch's global hooks once more (documented).
-            assert global_calls.count(hybrid) == 2
+        assert global_calls == [hybrid, hybrid]  # an AdamW child's step fires none
         originals_before = [p.detach().clone() for p in originals]
         calls.clear()
         global_calls.clear()
@@ -799,10 +795,7 @@ def test_deepcopy_hooks_fire_once_and_the_copy_steps_only_itself(
         assert all(torch.equal(b, p) for b, p in zip(originals_before, originals, strict=True))
         assert not all(torch.equal(b, p) for b, p in zip(copies_before, copies, strict=True))
         assert hybrid not in global_calls
-        if backend == "gefen":
-            assert global_calls == [clone, clone]
-        else:
-            assert global_calls.count(clone) == 2
+        assert global_calls == [clone, clone]
     finally:
         for handle in handles:
             handle.remove()
@@ -827,11 +820,7 @@ def test_step_hooks_fire_exactly_once_per_step(backend: str) -> None:
         for step in range(2):
             _stepped(hybrid, seed=step)
             assert calls == ["pre", "post"] * (step + 1)
-        if backend == "gefen":
-            assert global_calls == ["pre", "post"] * 2
-        else:
-            assert global_calls.count("pre") >= 2
-            assert global_calls.count("post") >= 2
+        assert global_calls == ["pre", "post"] * 2
     finally:
         for handle in handles:
             handle.remove()

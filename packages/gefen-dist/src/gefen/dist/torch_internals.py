@@ -36,6 +36,7 @@ __all__ = [
     "step_post_hooks",
     "step_pre_hooks",
     "tensor_version",
+    "unhooked_step",
 ]
 
 HOOK_REGISTRIES = (
@@ -112,6 +113,17 @@ def step_post_hooks(optimizer: Any) -> list[Callable[..., Any]]:
     if not registered and not own:
         return []
     return list(chain(own.values(), registered.values()))
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``optimizer.step`` without torch's hook wrapper (``Optimizer.profile_hook_step``, which
+    ``functools.wraps`` the class's own step): a child a composite steps inside its commit must
+    fire no hook there, neither the global ones (the composite fired them) nor its own (a hook
+    that raises or edits an option after the vote would fail or change one member alone)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = getattr(step, "__wrapped__", step)
+    return functools.partial(step, optimizer)
 
 
 def fresh_hook_registries(optimizer: object, *, keep_existing: bool = False) -> None:

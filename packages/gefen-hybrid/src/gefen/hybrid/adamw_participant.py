@@ -20,6 +20,7 @@ import torch
 
 from gefen.core.extension import check_finite_gradients, validate_gradient_structure
 from gefen.dist import GuardedOperation, ProcessGroupBinding
+from gefen.dist.torch_internals import unhooked_step
 from gefen.hybrid.adamw_backup import (
     RANK_LOCAL_KEY,
     PreparedAdamWLoad,
@@ -88,7 +89,9 @@ class AdamWParticipant:
         """Nothing to agree on beyond the vote: AdamW's state is rank-local."""
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
-        self.backup.step()
+        """AdamW's own step, without torch's hook wrapper: the hybrid fired the hooks, and a
+        hook registered on the backup would run after the vote (docs/hybrid.md §5)."""
+        unhooked_step(self.backup)()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict with an entry for every parameter (a DCP template,
