@@ -828,9 +828,12 @@ def _inject_failure(
     def failing(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(f"injected {half} commit failure")
 
-    name = "_commit_step" if isinstance(child, (Gefen, GefenMuon)) else "step"
-    monkeypatch.setattr(child, name, failing)
-    return lambda: monkeypatch.delattr(child, name)
+    if not isinstance(child, (Gefen, GefenMuon)):  # AdamW's step is its class's, unwrapped
+        original = type(child).step
+        monkeypatch.setattr(type(child), "step", failing)
+        return lambda: monkeypatch.setattr(type(child), "step", original)
+    monkeypatch.setattr(child, "_commit_step", failing)
+    return lambda: monkeypatch.delattr(child, "_commit_step")
 
 
 @pytest.mark.parametrize("half", ["muon", "backup"])

@@ -288,6 +288,57 @@ def test_a_refused_group_changes_nothing_and_the_hybrid_still_trains(backend: st
     _steps(hybrid, model, 1)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_group_joins_the_child_its_flag_names_as_torch_appends_it(backend: str) -> None:
+    # It used to be dropped without a word: the group count stayed, and code indexing the
+    # group it had just added got another one.
+    model = _model()
+    hybrid = GefenMuonHybrid(model, lr=0.01, backup_optimizer=backend, **FAST)
+    _steps(hybrid, model, 1)
+    count = len(hybrid.param_groups)
+    _rejected(
+        hybrid,
+        lambda: hybrid.add_param_group({"params": [], "param_names": [], "lr": 0.5}),
+        ValueError,
+        "param group 2 has no parameters: give it 'use_muon'",
+    )
+    empty = {"params": [], "param_names": [], "lr": 0.5, "use_muon": False}
+    hybrid.add_param_group(dict(empty))
+    assert len(hybrid.param_groups) == count + 1
+    assert hybrid.param_groups[-1]["params"] == []
+    assert hybrid.param_groups[-1]["lr"] == 0.5
+    _steps(hybrid, model, 1)
+    twin_model = _model()
+    twin = GefenMuonHybrid(twin_model, lr=0.01, backup_optimizer=backend, **FAST)
+    twin.add_param_group(dict(empty))
+    twin.load_state_dict(hybrid.state_dict())
+    assert twin.param_groups[-1]["lr"] == 0.5
+    _steps(twin, twin_model, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_repeated_parameter_name_is_refused_in_every_form(backend: str) -> None:
+    # The pair form refused a repeated name; torch's named form and add_param_group took it.
+    model = _model()
+    hidden, rest = _split(model)
+    groups = [
+        {"params": hidden, "param_names": ["hidden.weight"], "use_muon": True},
+        {"params": rest, "param_names": ["hidden.weight"] + [f"p{i}" for i in range(1, len(rest))]},
+    ]
+    with pytest.raises(ValueError, match=re.escape("duplicate parameter name 'hidden.weight'")):
+        GefenMuonHybrid(groups, backup_optimizer=backend, **FAST)
+    hybrid = GefenMuonHybrid(model, lr=0.01, backup_optimizer=backend, **FAST)
+    extra = nn.Parameter(torch.randn(4))
+    _rejected(
+        hybrid,
+        lambda: hybrid.add_param_group({"params": [extra], "param_names": ["hidden.weight"]}),
+        ValueError,
+        "param group 2: duplicate parameter name 'hidden.weight'",
+    )
+    hybrid.add_param_group({"params": [extra], "param_names": ["extra"]})
+    _steps(hybrid, model, 1)
+
+
 def test_a_group_form_adamw_backup_refuses_a_group_its_step_would_refuse() -> None:
     model = _model()
     hidden, rest = _split(model)

@@ -326,13 +326,13 @@ def test_closure_runs_exactly_once_before_either_child_commits(
 
         monkeypatch.setattr(hybrid.backup, "_commit_step", record_backup)
     else:
-        backup_step = hybrid.backup.step
+        backup_step = type(hybrid.backup).step  # stepped as its class's, hooks unwrapped
 
         def record_backup_step(*args: Any, **kwargs: Any) -> Any:
             events.append("backup commit")
             return backup_step(*args, **kwargs)
 
-        monkeypatch.setattr(hybrid.backup, "step", record_backup_step)
+        monkeypatch.setattr(type(hybrid.backup), "step", record_backup_step)
     tokens = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(2))
     values = [p.detach().clone() for p in _params(hybrid)]
 
@@ -740,9 +740,12 @@ def _inject_backup_failure(
     def failing(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("injected backup commit failure")
 
-    name = "_commit_step" if isinstance(hybrid.backup, Gefen) else "step"
-    monkeypatch.setattr(hybrid.backup, name, failing)
-    return lambda: monkeypatch.delattr(hybrid.backup, name)
+    if not isinstance(hybrid.backup, Gefen):  # AdamW's step is its class's, hooks unwrapped
+        original = type(hybrid.backup).step
+        monkeypatch.setattr(type(hybrid.backup), "step", failing)
+        return lambda: monkeypatch.setattr(type(hybrid.backup), "step", original)
+    monkeypatch.setattr(hybrid.backup, "_commit_step", failing)
+    return lambda: monkeypatch.delattr(hybrid.backup, "_commit_step")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -53,7 +53,11 @@ SCHEMA = (
     "loaded)"
 )
 CHILD_CAUSE = "GefenMuon checkpoint: unknown extras key 'colour'"
-ADAMW_CAUSE = "GefenMuonHybrid checkpoint: AdamW backup: group 0 entry 0: missing 'step'"
+ADAMW_CAUSE = (
+    "GefenMuonHybrid checkpoint: AdamW backup: group 0 entry 0: missing 'step' [numbered within "
+    "the backup's part: its group g is the checkpoint's param_groups[g + 1], its parameter id i "
+    "the checkpoint's id i + 2]"
+)
 LAYOUT = (
     "GefenMuonHybrid parameter layout changed after construction: backup group 0 position 0 "
     "holds a different tensor"

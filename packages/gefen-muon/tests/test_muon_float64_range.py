@@ -1,7 +1,8 @@
 """A float64 matrix's codebook momentum keeps one float32 scale per block: a finite gradient
-beyond float32's range made that scale +Inf, and the parameter NaN for good. It is refused
-before anything changes; the fp32 momentum ("none") holds float64 and keeps torch's Muon's
-behaviour there."""
+beyond float32's range made that scale +Inf, and the parameter NaN for good. Newton–Schulz runs
+in bfloat16 (float32's range) for every codec, so without a codebook ("none") such a gradient
+made the update, and the parameter, NaN too (as in torch's Muon). It is refused before anything
+changes."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _grads(params: list[torch.nn.Parameter], seed: int) -> None:
         param.grad = torch.randn(param.shape, generator=generator, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("codec", ["codebook8", "codebook4"])
+@pytest.mark.parametrize("codec", ["codebook8", "codebook4", "none"])
 def test_a_float64_gradient_beyond_float32_range_is_refused(codec: str) -> None:
     params = _matrices()
     optimizer = GefenMuon(params, lr=1e-2, momentum_codec=codec)
@@ -46,7 +47,7 @@ def test_a_float64_gradient_beyond_float32_range_is_refused(codec: str) -> None:
 
 
 def test_float64_momentum_without_a_codebook_takes_a_huge_gradient() -> None:
-    """1e30 fits float64's squares: the fp32 path ("none" keeps the param's dtype) steps."""
+    """1e30 is within float32's range: the momentum ("none" keeps the param's dtype) steps."""
     params = _matrices()
     optimizer = GefenMuon(params, lr=1e-2, momentum_codec="none")
     _grads(params, 0)

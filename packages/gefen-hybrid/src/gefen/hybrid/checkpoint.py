@@ -101,10 +101,37 @@ def prepare_hybrid_load(hybrid: HybridInterface, state_dict: Any) -> PreparedHyb
     copied = copy_with_load_pre_hooks(hybrid, copy_containers(state_dict))
     nested = split(hybrid, copied)
     _check_halves(hybrid, nested)
-    staged = {
-        role: participant.prepare_load_state_dict(nested[role])
-        for role, participant in hybrid.participants
-    }
+    groups, ids = _muon_part_size(nested.get("muon"))
+    staged = {}
+    for role, participant in hybrid.participants:
+        try:
+            staged[role] = participant.prepare_load_state_dict(nested[role])
+        except Exception as error:
+            if role == "backup" and (groups or ids):
+                _number_as_the_checkpoint(error, groups, ids)
+            raise
     if nested.get("backup") is not None:  # the step reads it as beta1: refuse it here, not then
-        check_scheduled_momentum(nested["backup"]["param_groups"], f"{_PREFIX}backup param group")
+        check_scheduled_momentum(
+            nested["backup"]["param_groups"], first_index=groups, where=f"{_PREFIX}param_groups"
+        )
     return PreparedHybridLoad(hybrid, staged.get("muon"), staged.get("backup"))
+
+
+def _muon_part_size(muon: Any) -> tuple[int, int]:
+    """How many groups and parameter ids the checkpoint lists before the backup's part."""
+    listed = muon.get("param_groups") if isinstance(muon, Mapping) else None
+    if not isinstance(listed, list):
+        return 0, 0
+    params = [group.get("params") if isinstance(group, Mapping) else None for group in listed]
+    return len(listed), sum(len(ids) for ids in params if isinstance(ids, list))
+
+
+def _number_as_the_checkpoint(error: Exception, groups: int, ids: int) -> None:
+    """The backup checks its own part of the checkpoint, numbered from its first group and id:
+    say how those numbers map to the checkpoint's (appended to the message, type unchanged)."""
+    if error.args and isinstance(error.args[0], str):
+        where = (
+            f" [numbered within the backup's part: its group g is the checkpoint's "
+            f"param_groups[g + {groups}], its parameter id i the checkpoint's id i + {ids}]"
+        )
+        error.args = (error.args[0] + where, *error.args[1:])

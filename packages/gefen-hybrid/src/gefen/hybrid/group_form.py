@@ -12,6 +12,7 @@ flag; ``add_param_group`` splits a group the same way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "follow_scheduled_momentum",
     "group_params",
     "is_group_form",
+    "renumber_groups",
     "split_groups",
 ]
 
@@ -64,12 +66,18 @@ def _to_muon(item: Any, substrings: Sequence[str]) -> bool:
 
 
 def split_groups(
-    groups: Sequence[dict[str, Any]], substrings: Sequence[str], *, first_index: int = 0
+    groups: Sequence[dict[str, Any]],
+    substrings: Sequence[str],
+    *,
+    first_index: int = 0,
+    taken: Iterable[object] = (),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Each group's Muon part and backup part, in order, with the group's options and its
-    ``use_muon`` flag; raises TypeError/ValueError naming the group before building anything."""
+    ``use_muon`` flag; raises TypeError/ValueError naming the group before building anything
+    (a ``param_names`` entry repeated, or already ``taken`` by the hybrid's groups, too)."""
     muon: list[dict[str, Any]] = []
     backup: list[dict[str, Any]] = []
+    seen = set(taken)
     for offset, group in enumerate(groups):
         index = first_index + offset
         flag = group.get("use_muon")
@@ -79,7 +87,20 @@ def split_groups(
                 f"parameter by the routing rules), got {type(flag).__name__}"
             )
         items = _items(index, group)
+        if not items:  # torch keeps an empty group; only its flag can say which child holds it
+            if flag is None:
+                raise ValueError(
+                    f"param group {index} has no parameters: give it 'use_muon' (True or "
+                    "False) to say which child's param_groups it joins"
+                )
+            target = muon if flag else backup
+            target.append({**group, "params": [], "use_muon": flag})
+            continue
         names = _names(index, group, len(items))
+        for name in names or ():
+            if name in seen:  # as the pair form refuses one: a name is a checkpoint key (DCP)
+                raise ValueError(f"param group {index}: duplicate parameter name {name!r}")
+            seen.add(name)
         options = {k: v for k, v in group.items() if k != "params" and k != "param_names"}
         routed = [flag] * len(items)
         if flag is None:
@@ -128,11 +149,25 @@ def group_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
     return tensors
 
 
+_GROUP_LABEL = re.compile(r"param_groups\[(\d+)\]")
+
+
+def renumber_groups(error: BaseException, offset: int) -> None:
+    """Rewrite a child's ``param_groups[g]`` labels in ``error``'s message as the hybrid's
+    ``param_groups[g + offset]`` (type, cause and traceback stay as they are)."""
+    if offset and error.args and isinstance(error.args[0], str):
+        text = _GROUP_LABEL.sub(
+            lambda m: f"param_groups[{int(m.group(1)) + offset}]", error.args[0]
+        )
+        error.args = (text, *error.args[1:])
+
+
 def check_scheduled_momentum(
-    groups: Iterable[Mapping[str, Any]], where: str = "backup param group"
+    groups: Iterable[Mapping[str, Any]], *, first_index: int, where: str = "param_groups"
 ) -> None:
-    """Raise ``ValueError`` naming the first backup group whose ``momentum`` no beta1 may take
-    (``follow_scheduled_momentum`` reads it as beta1); a checkpoint's groups are checked too."""
+    """Raise ``ValueError`` naming the first backup group (``where[first_index + i]``, the
+    hybrid's numbering) whose ``momentum`` no beta1 may take (``follow_scheduled_momentum``
+    reads it as beta1): at construction, ``add_param_group``, each step and a load."""
     for index, group in enumerate(groups):
         if "momentum" not in group or "betas" not in group:
             continue
@@ -140,13 +175,13 @@ def check_scheduled_momentum(
         number = real_value(momentum)
         if number is None or not 0.0 <= number < 1.0:
             raise ValueError(
-                f"{where} {index}: 'momentum' is read as beta1 (a momentum-cycling scheduler "
-                f"writes it) and must be a real in [0, 1), got {momentum!r}"
+                f"{where}[{first_index + index}]: 'momentum' is read as beta1 (a momentum-cycling "
+                f"scheduler writes it) and must be a real in [0, 1), got {momentum!r}"
             )
 
 
 def follow_scheduled_momentum(
-    groups: Iterable[dict[str, Any]], followed: Mapping[int, tuple[float, float]]
+    groups: Iterable[dict[str, Any]], followed: Mapping[int, tuple[float, float]], first_index: int
 ) -> dict[int, tuple[float, float]]:
     """A backup group reads its beta1 from ``momentum`` when the group has one and a new value
     was written; returns each group's (momentum, beta1) after it, by group id, for ``followed``
@@ -159,9 +194,10 @@ def follow_scheduled_momentum(
     groups follow a newly written ``momentum`` into ``betas`` before the step. A beta1 set by
     hand since the last step is kept, even when the scheduler also wrote (the common order:
     its last write, then the user's), as torch's AdamW keeps a hand-set beta1. A value no
-    beta1 may take is refused before anything is written."""
+    beta1 may take is refused before anything is written; ``first_index`` is the first
+    group's index in the hybrid's ``param_groups``, for the message."""
     groups = list(groups)
-    check_scheduled_momentum(groups)  # every group before any write
+    check_scheduled_momentum(groups, first_index=first_index)  # every group before any write
     record: dict[int, tuple[float, float]] = {}
     for group in groups:
         if "momentum" not in group or "betas" not in group:

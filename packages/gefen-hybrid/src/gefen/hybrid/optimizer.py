@@ -8,7 +8,8 @@ scope, one AMP decision, then each child's prepared phases 4–5.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, cast
 
@@ -51,7 +52,12 @@ from gefen.hybrid.construction import (
     resolve_groups,
 )
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
-from gefen.hybrid.group_form import follow_scheduled_momentum, split_groups
+from gefen.hybrid.group_form import (
+    check_scheduled_momentum,
+    follow_scheduled_momentum,
+    renumber_groups,
+    split_groups,
+)
 from gefen.hybrid.state_view import HybridState
 from gefen.muon import GefenMuon
 
@@ -151,6 +157,9 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             config, muon_named_params, backup_named_params, backup_substrings
         )
         muon, backup = build_children(config, muon_groups, backup_groups)
+        if backup is not None:  # refused now, not at the first step
+            offset = 0 if muon is None else len(muon.param_groups)
+            check_scheduled_momentum(backup.param_groups, first_index=offset)
         self._config = config
         self.muon: GefenMuon | None = muon
         self.backup: torch.optim.Optimizer | None = backup
@@ -246,8 +255,12 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             raise RuntimeError(f"{self.OWNER_NAME} is finalized by post_sharding: "
                                "add_param_group is refused")  # fmt: skip
         config: HybridConfig = self._config
+        taken = [name for group in self.param_groups for name in group.get("param_names", ())]
         parts = split_groups(
-            [param_group], config.backup_substrings, first_index=len(self.param_groups)
+            [param_group],
+            config.backup_substrings,
+            first_index=len(self.param_groups),
+            taken=taken,
         )
         check_disjoint([{"params": list(self._registry)}], [*parts[0], *parts[1]])  # new ones
         check_disjoint(parts[0], parts[1])  # and in one child only
@@ -266,6 +279,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     added.append((role, child))
                     if role == "backup":
                         check_new_backup_group(config, child, len(child.param_groups) - 1)
+                if role == "backup" and groups:
+                    check_scheduled_momentum(groups[-1:], first_index=len(self.param_groups) - 1)
         except BaseException:
             for role, child in reversed(added):
                 if child is None:
@@ -368,9 +383,11 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         groups = self.backup.param_groups if self.backup is not None else []
         before = [group.get("betas") for group in groups]
         try:
-            followed = follow_scheduled_momentum(groups, self.__dict__.get("_followed", {}))
-            for _, participant in self._participants:
-                participant.validate_step_inputs(amp_present=amp_present)
+            first = len(self.param_groups) - len(groups)  # the backup's, after Muon's
+            followed = follow_scheduled_momentum(groups, self.__dict__.get("_followed", {}), first)
+            for index, (_, participant) in enumerate(self._participants):
+                with self.numbering(index):
+                    participant.validate_step_inputs(amp_present=amp_present)
         except BaseException:
             for group, betas in zip(groups, before, strict=True):  # a refused step writes nothing
                 if betas is not None:
@@ -403,8 +420,20 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             op.header(OP_STEP, words, HEADER_WORD_NAMES)
 
     def check_step_agreement(self) -> None:
-        for _, participant in self._participants:
-            participant.check_step_agreement()
+        for index, (_, participant) in enumerate(self._participants):
+            with self.numbering(index):
+                participant.check_step_agreement()
+
+    @contextlib.contextmanager
+    def numbering(self, index: int) -> Iterator[None]:
+        """Participant ``index``'s errors with its groups numbered as the hybrid's: a child's
+        message names an unnamed parameter by its own ``param_groups[g][i]``, and the hybrid's
+        groups list the Muon child's first."""
+        try:
+            yield
+        except Exception as error:
+            renumber_groups(error, sum(len(c.param_groups) for c in self.children[:index]))
+            raise
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
         """Phases 4–5 child by child (Muon first). A failure once a commit began latches the
@@ -415,7 +444,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         try:
             with torch.no_grad():
                 for _, participant in self._participants:
-                    participant.apply_prepared_step(operation=op)
+                    with self.numbering(done):
+                        participant.apply_prepared_step(operation=op)
                     done += 1
         except BaseException:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit

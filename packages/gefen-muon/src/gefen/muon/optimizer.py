@@ -259,13 +259,13 @@ class GefenMuon(OptimizerShell):
 
     def _select_kernels(self) -> None:
         """The local preflight's selection: every group and device a codebook momentum will
-        run on."""
-        bounded: dict[int, bool] = {}  # float64 momenta whose float32 scale must stay finite
+        run on, and the float64 gradients bounded by float32's range (NS runs in bfloat16)."""
+        bounded: dict[int, bool] = {}
         for _, group, param in self.indexed_params():
             if param.grad is not None and group_uses_codebook(group):
                 self._momentum_kernels.select(group, local_tensor(param).device.type)
-                if param.dtype == torch.float64:
-                    bounded[id(param)] = False
+            if param.grad is not None and param.dtype == torch.float64:
+                bounded[id(param)] = False
         self._bounded = bounded
 
     # -- phase 4: read-only plan -------------------------------------------------------------
