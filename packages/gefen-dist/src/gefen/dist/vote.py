@@ -155,17 +155,22 @@ def synchronize_step_error(
         if error is not None:
             raise error
         return
-    failed, same = vote_words(scope, error is not None, words)
+    # A first word says whether this member offered words: a member that steps (it does) and
+    # one that saves or loads without any (it does not) are told so on both sides, instead of
+    # the stepping side reading the other's zeros as a differing subject.
+    offered = 1 if agreement is not None and misuse is None else 0
+    failed, same = vote_words(scope, error is not None, (offered, *words))
     if not failed:
+        if not same[0]:
+            raise GroupAgreementError(
+                f"{owner_name} {phase}: another process-group member is in a different "
+                "operation (one member's vote carries agreement words and another's none: one "
+                "steps while another saves or loads, say; nothing was changed)",
+                owner_name=owner_name,
+                what="operation",
+            )
         if not all(same):
-            what = subjects[same.index(False)]
-            if not what:  # this member offered no words: a peer is in another operation
-                raise GroupAgreementError(
-                    f"{owner_name} {phase}: another process-group member is in a different "
-                    "operation (its vote carries agreement words; nothing was changed)",
-                    owner_name=owner_name,
-                    what="operation",
-                )
+            what = subjects[same.index(False) - 1]
             raise GroupAgreementError(
                 f"{owner_name} {phase}: {what} differs across the process-group members "
                 "(every member must present the same; nothing was changed)",
