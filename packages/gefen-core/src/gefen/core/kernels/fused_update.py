@@ -228,7 +228,11 @@ def factored_moments_(grad: Tensor, v_row: Tensor, v_col: Tensor, hp: Tensor) ->
     gradient = grad.to(torch.float32)
     square = gradient * gradient
     v_row.copy_(v_row * hp32[HP_BETA2] + square.mean(dim=1) * hp32[HP_ONE_MINUS_BETA2])
-    v_col.copy_(v_col * hp32[HP_BETA2] + square.mean(dim=0) * hp32[HP_ONE_MINUS_BETA2])
+    # Inductor's CPU code adds a column's rows one after another: in float32 a tall matrix's
+    # column mean drifts by about R * 2^-24, past §11's 1e-6, so the CPU sums in float64.
+    wide = torch.float64 if grad.device.type == "cpu" else None
+    column = square.mean(dim=0, dtype=wide).to(torch.float32)
+    v_col.copy_(v_col * hp32[HP_BETA2] + column * hp32[HP_ONE_MINUS_BETA2])
     return v_row.mean().clamp_min(2.0**-126)
 
 
