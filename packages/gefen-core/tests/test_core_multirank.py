@@ -196,6 +196,27 @@ def scenario_one_rank_edited_defaults(rank: int, world_size: int) -> dict[str, A
     return {"codebook": codebook.tolist(), "step": optimizer.global_step}
 
 
+def scenario_step_meets_other_operation(rank: int, world_size: int, other: str) -> dict[str, Any]:
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    saved = optimizer.state_dict()
+    optimizer.zero_grad()
+    model(_batch(rank, 7)).square().mean().backward()
+    before = _snapshot(optimizer)
+    if rank == 0:  # a common mistake: one rank checkpoints (or restores) while the other steps
+        elapsed, error, _ = timed(optimizer.step)
+    elif other == "load":
+        elapsed, error, _ = timed(lambda: optimizer.load_state_dict(saved))
+    else:
+        elapsed, error, _ = timed(optimizer.state_dict)
+    changes = _changes(optimizer, before)
+    optimizer.step()  # together again: it trains
+    return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
+
+
 def scenario_one_rank_load_rejection(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.core import Gefen
     from gefen.dist import DistributedStepError
@@ -291,6 +312,8 @@ SCENARIOS = [
     ("moved_parameter", scenario_one_rank_moved_parameter, ()),
     ("filled_tensor_lr", scenario_one_rank_filled_tensor_lr, ()),
     ("edited_defaults", scenario_one_rank_edited_defaults, ()),
+    ("step_meets_load", scenario_step_meets_other_operation, ("load",)),
+    ("step_meets_state_dict", scenario_step_meets_other_operation, ("state_dict",)),
     ("rank_local", scenario_rank_local_refusal, ()),
     ("dcp", scenario_dcp_round_trip, ()),
 ]
@@ -387,6 +410,20 @@ def test_a_refresh_period_edited_in_defaults_on_one_rank_changes_no_collective(
     results = world["edited_defaults"]
     assert [result["step"] for result in results] == [4, 4]
     assert results[0]["codebook"] == results[1]["codebook"]
+
+
+@pytest.mark.parametrize("other", ["step_meets_load", "step_meets_state_dict"])
+def test_a_step_meeting_another_operation_says_so_on_every_rank(
+    world: ScenarioWorld, other: str
+) -> None:
+    # The stepping rank used to read the other's vote as "gradient presence differs", the
+    # wrong cause; the loading rank as "replicated state differs".
+    for result in world[other]:
+        assert "another process-group member is in a different operation" in result["error"]
+        assert result["error"].startswith("GroupAgreementError: Gefen ")
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        assert result["step"] == 3
 
 
 def test_one_rank_load_rejection_raises_everywhere_and_commits_nowhere(

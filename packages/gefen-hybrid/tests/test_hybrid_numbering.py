@@ -62,7 +62,10 @@ def test_a_backup_momentum_no_beta1_may_take_is_refused_at_construction(backend:
         {"params": [b1], "use_muon": False},
         {"params": [b2], "use_muon": False, "momentum": 2.0},
     ]
-    with pytest.raises(ValueError, match=re.escape("param_groups[2]: 'momentum' is read as")):
+    with pytest.raises(ValueError, match=re.escape("param group 2: 'momentum' is read as")):
+        GefenMuonHybrid(groups, lr=1e-2, fused=False, backup_optimizer=backend)
+    groups[0], groups[2] = groups[2], groups[0]  # the caller's numbering: no hybrid exists yet
+    with pytest.raises(ValueError, match=re.escape("param group 0: 'momentum' is read as")):
         GefenMuonHybrid(groups, lr=1e-2, fused=False, backup_optimizer=backend)
 
 
@@ -77,7 +80,7 @@ def test_add_param_group_refuses_a_backup_momentum_and_changes_nothing(backend: 
     )
     before = hybrid_snapshot(hybrid)
     extra = _parameter(4)
-    with pytest.raises(ValueError, match=re.escape("param_groups[2]: 'momentum' is read as")):
+    with pytest.raises(ValueError, match=re.escape("param group 2: 'momentum' is read as")):
         hybrid.add_param_group({"params": [extra], "use_muon": False, "momentum": 2.0})
     assert_same_hybrid(before, hybrid_snapshot(hybrid))
     assert len(hybrid.param_groups) == 2

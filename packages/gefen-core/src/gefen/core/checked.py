@@ -110,7 +110,9 @@ def options_word(groups: Iterable[Mapping[Any, Any]], *, empty_groups: bool = Fa
     edited on one process-group member alone fails every member before anything runs
     (docs/dist.md §5). Adjacent groups with equal options count as one run, written with how
     many parameters it steps: how the parameters are split into groups of equal options is not
-    compared, but a parameter moved into a group with other options on one member is.
+    compared, but a parameter moved into a group with other options on one member is. The last
+    run's count is left out: it is the total less the others, and the total is compared by the
+    presence word and each optimizer's own checks, whose messages name it.
 
     ``empty_groups``: count a group with no parameters too, and leave the counts out. After
     ``post_sharding`` every member keeps every group but holds only its own shards (a
@@ -130,8 +132,9 @@ def options_word(groups: Iterable[Mapping[Any, Any]], *, empty_groups: bool = Fa
             runs[-1] = (text, runs[-1][1] + count)
         else:
             runs.append((text, count))
-    joined = "|".join(f"{text}#{count}" for text, count in runs)
-    digest = hashlib.blake2b(joined.encode(), digest_size=7)
+    written = [f"{text}#{count}" for text, count in runs[:-1]]
+    written.extend(text for text, _ in runs[-1:])  # the last run's count is the total's
+    digest = hashlib.blake2b("|".join(written).encode(), digest_size=7)
     return int.from_bytes(digest.digest(), "big")
 
 

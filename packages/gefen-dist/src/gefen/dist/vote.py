@@ -126,6 +126,14 @@ def _agreement(
     return subjects, words, None
 
 
+def _operation_word(subjects: Sequence[str]) -> int:
+    """A 56-bit digest of the vote's subjects (what its words agree on), 0 when it has none."""
+    if not any(subjects):
+        return 0
+    digest = hashlib.blake2b("|".join(subjects).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
 def synchronize_step_error(
     error: Exception | None,
     phase: str,
@@ -155,17 +163,16 @@ def synchronize_step_error(
         if error is not None:
             raise error
         return
-    # A first word says whether this member offered words: a member that steps (it does) and
-    # one that saves or loads without any (it does not) are told so on both sides, instead of
-    # the stepping side reading the other's zeros as a differing subject.
-    offered = 1 if agreement is not None and misuse is None else 0
-    failed, same = vote_words(scope, error is not None, (offered, *words))
+    # A first word names the operation by its subjects (0 without words): members in different
+    # operations (one steps while another saves, or loads) are told so on both sides, instead
+    # of one reading the other's words as its own first subject differing.
+    failed, same = vote_words(scope, error is not None, (_operation_word(subjects), *words))
     if not failed:
         if not same[0]:
             raise GroupAgreementError(
                 f"{owner_name} {phase}: another process-group member is in a different "
-                "operation (one member's vote carries agreement words and another's none: one "
-                "steps while another saves or loads, say; nothing was changed)",
+                "operation (its vote agrees on other subjects, or on none: one steps while "
+                "another saves or loads, say; nothing was changed)",
                 owner_name=owner_name,
                 what="operation",
             )

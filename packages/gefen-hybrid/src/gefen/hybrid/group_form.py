@@ -22,6 +22,7 @@ from gefen.core.extension import real_value
 from gefen.hybrid.routing import is_muon_param
 
 __all__ = [
+    "check_momentum",
     "check_scheduled_momentum",
     "follow_scheduled_momentum",
     "group_params",
@@ -59,7 +60,7 @@ def _items(index: int, group: dict[str, Any]) -> list[Any]:
 
 
 def _to_muon(item: Any, substrings: Sequence[str]) -> bool:
-    if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
+    if _is_pair(item):
         name, param = item
         return isinstance(param, Tensor) and is_muon_param(name, param, substrings)
     return isinstance(item, Tensor) and item.ndim == 2
@@ -70,14 +71,15 @@ def split_groups(
     substrings: Sequence[str],
     *,
     first_index: int = 0,
-    taken: Iterable[object] = (),
+    taken: Mapping[object, object] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Each group's Muon part and backup part, in order, with the group's options and its
     ``use_muon`` flag; raises TypeError/ValueError naming the group before building anything
-    (a ``param_names`` entry repeated, or already ``taken`` by the hybrid's groups, too)."""
+    (an empty group, a backup group's ``momentum`` no beta1 may take, a parameter name given
+    twice or already ``taken`` by another of the hybrid's parameters, too)."""
     muon: list[dict[str, Any]] = []
     backup: list[dict[str, Any]] = []
-    seen = set(taken)
+    seen = dict(taken or {})  # name -> the tensor it names
     for offset, group in enumerate(groups):
         index = first_index + offset
         flag = group.get("use_muon")
@@ -87,20 +89,21 @@ def split_groups(
                 f"parameter by the routing rules), got {type(flag).__name__}"
             )
         items = _items(index, group)
-        if not items:  # torch keeps an empty group; only its flag can say which child holds it
-            if flag is None:
-                raise ValueError(
-                    f"param group {index} has no parameters: give it 'use_muon' (True or "
-                    "False) to say which child's param_groups it joins"
-                )
-            target = muon if flag else backup
-            target.append({**group, "params": [], "use_muon": flag})
-            continue
+        if not items:  # torch keeps one, but its DCP load gives an empty group no options
+            raise ValueError(
+                f"param group {index} has no parameters: the hybrid keeps no empty group "
+                "(torch.distributed.checkpoint would load it without its options); add the "
+                "group once it has parameters"
+            )
+        if flag is False and "momentum" in group:  # the backup reads it as beta1
+            check_momentum(group["momentum"], f"param group {index}")
         names = _names(index, group, len(items))
-        for name in names or ():
-            if name in seen:  # as the pair form refuses one: a name is a checkpoint key (DCP)
+        pairs = (zip(names, items, strict=True) if names is not None
+                 else ((item[0], item) for item in items if _is_pair(item)))  # fmt: skip
+        for name, item in pairs:
+            param = item[1] if _is_pair(item) else item
+            if seen.setdefault(name, param) is not param:  # a name is a checkpoint key (DCP)
                 raise ValueError(f"param group {index}: duplicate parameter name {name!r}")
-            seen.add(name)
         options = {k: v for k, v in group.items() if k != "params" and k != "param_names"}
         routed = [flag] * len(items)
         if flag is None:
@@ -121,6 +124,10 @@ def split_groups(
                 kept["param_names"] = [names[at] for at in part]
             target.append({**kept, "params": [items[at] for at in part], "use_muon": use_muon})
     return muon, backup
+
+
+def _is_pair(item: Any) -> bool:
+    return isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
 
 
 def _named(name: object, item: Any) -> Any:
@@ -167,17 +174,20 @@ def check_scheduled_momentum(
 ) -> None:
     """Raise ``ValueError`` naming the first backup group (``where[first_index + i]``, the
     hybrid's numbering) whose ``momentum`` no beta1 may take (``follow_scheduled_momentum``
-    reads it as beta1): at construction, ``add_param_group``, each step and a load."""
+    reads it as beta1): at each step and a load (``split_groups`` checks a new group's)."""
     for index, group in enumerate(groups):
-        if "momentum" not in group or "betas" not in group:
-            continue
-        momentum = group["momentum"]
-        number = real_value(momentum)
-        if number is None or not 0.0 <= number < 1.0:
-            raise ValueError(
-                f"{where}[{first_index + index}]: 'momentum' is read as beta1 (a momentum-cycling "
-                f"scheduler writes it) and must be a real in [0, 1), got {momentum!r}"
-            )
+        if "momentum" in group and "betas" in group:
+            check_momentum(group["momentum"], f"{where}[{first_index + index}]")
+
+
+def check_momentum(momentum: object, label: str) -> None:
+    """Raise ``ValueError`` under ``label`` when a backup group's ``momentum`` is no beta1."""
+    number = real_value(momentum)
+    if number is None or not 0.0 <= number < 1.0:
+        raise ValueError(
+            f"{label}: 'momentum' is read as beta1 (a momentum-cycling scheduler writes it) "
+            f"and must be a real in [0, 1), got {momentum!r}"
+        )
 
 
 def follow_scheduled_momentum(

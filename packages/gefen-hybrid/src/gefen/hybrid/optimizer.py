@@ -52,12 +52,7 @@ from gefen.hybrid.construction import (
     resolve_groups,
 )
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
-from gefen.hybrid.group_form import (
-    check_scheduled_momentum,
-    follow_scheduled_momentum,
-    renumber_groups,
-    split_groups,
-)
+from gefen.hybrid.group_form import follow_scheduled_momentum, renumber_groups, split_groups
 from gefen.hybrid.state_view import HybridState
 from gefen.muon import GefenMuon
 
@@ -157,9 +152,6 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             config, muon_named_params, backup_named_params, backup_substrings
         )
         muon, backup = build_children(config, muon_groups, backup_groups)
-        if backup is not None:  # refused now, not at the first step
-            offset = 0 if muon is None else len(muon.param_groups)
-            check_scheduled_momentum(backup.param_groups, first_index=offset)
         self._config = config
         self.muon: GefenMuon | None = muon
         self.backup: torch.optim.Optimizer | None = backup
@@ -255,7 +247,12 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             raise RuntimeError(f"{self.OWNER_NAME} is finalized by post_sharding: "
                                "add_param_group is refused")  # fmt: skip
         config: HybridConfig = self._config
-        taken = [name for group in self.param_groups for name in group.get("param_names", ())]
+        taken = {
+            name: param
+            for group in self.param_groups
+            if "param_names" in group
+            for name, param in zip(group["param_names"], group["params"], strict=True)
+        }
         parts = split_groups(
             [param_group],
             config.backup_substrings,
@@ -279,8 +276,6 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     added.append((role, child))
                     if role == "backup":
                         check_new_backup_group(config, child, len(child.param_groups) - 1)
-                if role == "backup" and groups:
-                    check_scheduled_momentum(groups[-1:], first_index=len(self.param_groups) - 1)
         except BaseException:
             for role, child in reversed(added):
                 if child is None:
