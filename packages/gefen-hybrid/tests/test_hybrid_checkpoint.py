@@ -963,3 +963,55 @@ def test_a_dropped_adamw_entry_warns_that_its_moments_restart() -> None:
     del broken["backup"]["state"][0]
     with pytest.warns(UserWarning, match=r"no entry for parameter ids \[0\].*restart from zero"):
         hybrid.load_state_dict(join(broken))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loaded_hybrid_owns_its_state_never_the_callers_tensors(backend: str) -> None:
+    """An AdamW backup used to keep the loaded dict's tensors (torch's load does): two hybrids
+    loaded from one dict shared their moments, training wrote into the caller's in-memory
+    checkpoint, and NaN written into that dict later reached the live state unchecked."""
+    _, _, saved = _saved_then_stepped(backend)
+    pristine = copy.deepcopy(saved)
+    _, first = _build(backend, "full")
+    _, second = _build(backend, "full")
+    first.load_state_dict(saved)
+    second.load_state_dict(saved)
+    caller = {id(t) for entry in saved["state"].values() for t in entry.values()
+              if isinstance(t, torch.Tensor)}  # fmt: skip
+    for hybrid in (first, second):
+        live = [t for entry in hybrid.state.values() for t in entry.values()
+                if isinstance(t, torch.Tensor)]  # fmt: skip
+        assert live
+        assert not any(id(t) in caller for t in live)
+    _trains(first)
+    _same(saved, pristine)  # the caller's checkpoint is as it was saved
+    for entry in saved["state"].values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                value.fill_(float("nan"))
+    _trains(second)
+    assert all(torch.isfinite(p).all() for p in _params(second))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("across", [False, True], ids=["one-group", "across-children"])
+def test_a_checkpoint_naming_two_parameters_alike_is_refused(backend: str, across: bool) -> None:
+    """The constructor and add_param_group refuse a repeated name; a load used to install one
+    (each child checks only its own groups, and only warned of a renamed parameter)."""
+    _, hybrid, saved = _saved_then_stepped(backend)
+    groups = saved["param_groups"]
+    named = [group for group in groups if len(group.get("param_names", ())) >= (1 if across else 2)]
+    assert named
+    if across:  # the backup's first name becomes the Muon child's first
+        muon = next(group for group in groups if group["use_muon"])
+        backup = next(group for group in groups if not group["use_muon"])
+        backup["param_names"][0] = muon["param_names"][0]
+        repeated = muon["param_names"][0]
+    else:
+        names = named[0]["param_names"]
+        names[1] = repeated = names[0]
+    before = _snapshot(hybrid)
+    with pytest.raises(ValueError, match=re.escape(f"duplicate parameter name {repeated!r}")):
+        hybrid.load_state_dict(saved)
+    _assert_unchanged(before, hybrid)
+    _trains(hybrid)

@@ -101,6 +101,7 @@ def prepare_hybrid_load(hybrid: HybridInterface, state_dict: Any) -> PreparedHyb
     copied = copy_with_load_pre_hooks(hybrid, copy_containers(state_dict))
     nested = split(hybrid, copied)
     _check_halves(hybrid, nested)
+    _check_names(copied)
     groups, ids = _muon_part_size(nested.get("muon"))
     staged = {}
     for role, participant in hybrid.participants:
@@ -115,6 +116,24 @@ def prepare_hybrid_load(hybrid: HybridInterface, state_dict: Any) -> PreparedHyb
             nested["backup"]["param_groups"], first_index=groups, where=f"{_PREFIX}param_groups"
         )
     return PreparedHybridLoad(hybrid, staged.get("muon"), staged.get("backup"))
+
+
+def _check_names(checkpoint: Any) -> None:
+    """Refuse ``param_names`` that name two parameters alike, across both children (each child
+    checks only its own groups): the constructor and ``add_param_group`` refuse them too."""
+    listed = checkpoint.get("param_groups") if isinstance(checkpoint, Mapping) else None
+    seen: dict[object, object] = {}
+    for index, group in enumerate(listed if isinstance(listed, list) else ()):
+        names = group.get("param_names") if isinstance(group, Mapping) else None
+        ids = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(names, list) or not isinstance(ids, list):
+            continue
+        for name, pid in zip(names, ids, strict=False):  # the children check the lengths
+            if isinstance(name, str) and seen.setdefault(name, pid) != pid:
+                raise ValueError(
+                    f"{_PREFIX}param_groups[{index}]: duplicate parameter name {name!r} (two "
+                    "parameter ids share it)"
+                )
 
 
 def _muon_part_size(muon: Any) -> tuple[int, int]:
