@@ -109,3 +109,42 @@ def test_the_optimizers_own_codebook_refresh_is_not_a_foreign_write() -> None:
         optimizer.load_state_dict(template, checkpoint_binding=object())
     assert not optimizer.latched
     _train(model, optimizer, 1)
+
+
+STALE_BUILDERS = {
+    **BUILDERS,
+    "hybrid-adamw": lambda model: GefenMuonHybrid.from_model(
+        model, lr=1e-2, backup_optimizer="adamw"
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", STALE_BUILDERS)
+def test_a_state_dict_handed_out_before_a_step_is_refused_and_a_copy_rolls_back(
+    kind: str,
+) -> None:
+    """``sd = opt.state_dict(); opt.step(); opt.load_state_dict(sd)`` used to be accepted: the
+    dict's tensors are the live ones, moved on by the step, its counters are not, and the load
+    mixed the two (the next steps differed from a run resumed at ``sd``). It is refused by name,
+    nothing changes; a deep copy taken at the same moment rolls back bit for bit."""
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    model = _model()
+    optimizer = STALE_BUILDERS[kind](model)
+    _train(model, optimizer, 2)
+    handed_out = optimizer.state_dict()
+    kept = copy.deepcopy(handed_out)
+    twin_model, twin = copy.deepcopy((model, optimizer))  # one memo: twin steps twin_model
+    _train(model, optimizer, 1)
+    before = deep_snapshot(optimizer)
+    with pytest.raises(ValueError, match="handed out by state_dict\\(\\) before its last step"):
+        optimizer.load_state_dict(handed_out)
+    assert snapshot_diff(before, deep_snapshot(optimizer)) == []
+    model.load_state_dict(twin_model.state_dict())
+    optimizer.load_state_dict(kept)  # the rollback a copy makes
+    torch.manual_seed(5)
+    _train(model, optimizer, 2)
+    torch.manual_seed(5)
+    _train(twin_model, twin, 2)
+    for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

@@ -117,6 +117,18 @@ class HookedStepState:
                     return True
         return False
 
+    def check_not_stale(self, incoming: object) -> None:
+        """Raise ``ValueError`` when ``incoming`` holds live state tensors that ``state_dict()``
+        handed out before the optimizer's last step: they have moved on since, its counters and
+        copied values have not, so loading it would mix two steps (a rollback must copy)."""
+        record = self._handed_out
+        if record is None or record[0] == self.commit_count:
+            return
+        live = list(cast(Any, self).state.values())
+        addresses = {tensor.untyped_storage().data_ptr() for tensor in _tensors(live)}
+        if any(tensor.untyped_storage().data_ptr() in addresses for tensor in _tensors(incoming)):
+            raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
+
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
         self._commit_failed = reason
@@ -173,6 +185,7 @@ class PreparedLoadLike(Protocol):
 
 class LoadParticipant(Protocol):
     def guarded_operation(self) -> GuardedOperation: ...
+    def check_not_stale(self, incoming: object) -> None: ...
     def written_in_place(self, incoming: object) -> bool: ...
     def note_commit(self) -> None: ...
     def latch(self, reason: str) -> None: ...
@@ -182,6 +195,13 @@ IN_PLACE_REFUSAL = (
     "a refused load had already been written into this optimizer's live state (its tensors were "
     "those of this optimizer's own state_dict(), as in a DCP load template that dcp.load fills "
     "in place); load a valid checkpoint with load_state_dict to continue"
+)
+
+
+STALE_STATE_DICT = (
+    "this state dict holds the optimizer's live state tensors, handed out by state_dict() before "
+    "its last step: they have moved on since, its counters have not, and loading it would mix "
+    "the two (copy.deepcopy a state_dict() kept for a rollback, or save it to a file)"
 )
 
 
@@ -348,14 +368,19 @@ def run_load(
             return run_load(optimizer, prepare, incoming)
     in_place = incoming is not None and optimizer.written_in_place(incoming)
     op = optimizer.guarded_operation()
+
+    def checked() -> PreparedLoadLike:
+        optimizer.check_not_stale(incoming)
+        return prepare()
+
     try:
         if op.scope and op.binding is None:
             # One stale file on one rank must not load: replicated state is compared in the vote.
             prepared = op.local_agreeing(
-                PHASE_LOAD_VALIDATION, "replicated state", lambda: _with_replica_words(prepare())
+                PHASE_LOAD_VALIDATION, "replicated state", lambda: _with_replica_words(checked())
             )
         else:
-            prepared = op.local(PHASE_LOAD_VALIDATION, prepare)
+            prepared = op.local(PHASE_LOAD_VALIDATION, checked)
         prepared.agree(op)
     except BaseException:
         if in_place:
