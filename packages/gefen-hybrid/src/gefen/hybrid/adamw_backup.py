@@ -166,17 +166,20 @@ def _check_identifiers(
     if unknown:
         raise _reject(f"state holds entries for parameter ids no group lists: {unknown[:8]}")
     live = [param for group in backup.param_groups for param in group["params"]]
+    names = [name for group in backup.param_groups for name in group.get("param_names", ())]
     dropped = sorted(
         {
-            ident
-            for ident, param in zip(expected, live, strict=True)
+            (names[at] if len(names) == len(live) else ident)
+            for at, (ident, param) in enumerate(zip(expected, live, strict=True))
             if backup.state.get(param) and ident not in state
-        }
+        },
+        key=repr,
     )
     if dropped:
         warnings.warn(
-            f"GefenMuonHybrid checkpoint: AdamW backup: no entry for parameter ids {dropped[:8]}, "
-            "which have state now: their moments restart from zero",
+            f"GefenMuonHybrid checkpoint: AdamW backup: no entry for parameters {dropped[:8]} "
+            "(by name, else by id within the backup's part), which have state now: their "
+            "moments restart from zero",
             UserWarning,
             stacklevel=6,
         )
