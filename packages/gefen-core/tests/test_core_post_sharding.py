@@ -1107,7 +1107,7 @@ def test_checkpoint_binding_with_other_fields_is_a_binding_error(
     other: Callable[[], CheckpointProcessGroupBinding],
 ) -> None:
     setup = _trained("solo")
-    sd = setup.opt.state_dict()
+    sd = copy.deepcopy(setup.opt.state_dict())  # kept across a step: a copy (docs/core.md §8.1)
     trains(setup.opt, seed=40)
     rejects(
         setup.opt,
@@ -1127,7 +1127,7 @@ def test_checkpoint_binding_without_an_installed_binding_is_a_binding_error(mode
     if mode != "pristine":
         setup.finalize()
     trains(setup.opt)
-    sd = setup.opt.state_dict()
+    sd = copy.deepcopy(setup.opt.state_dict())  # kept across a step: a copy (docs/core.md §8.1)
     trains(setup.opt, seed=41)
     rejects(
         setup.opt,

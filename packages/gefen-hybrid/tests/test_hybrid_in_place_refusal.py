@@ -136,6 +136,7 @@ def test_a_state_dict_handed_out_before_a_step_is_refused_and_a_copy_rolls_back(
     kept = copy.deepcopy(handed_out)
     twin_model, twin = copy.deepcopy((model, optimizer))  # one memo: twin steps twin_model
     _train(model, optimizer, 1)
+    optimizer.state_dict()  # a later state_dict() (a log, a save) hides nothing
     before = deep_snapshot(optimizer)
     with pytest.raises(ValueError, match="handed out by state_dict\\(\\) before its last step"):
         optimizer.load_state_dict(handed_out)

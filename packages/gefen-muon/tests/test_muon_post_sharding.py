@@ -11,6 +11,7 @@ and trains; the layout guard, the contract, and the ``"scope"`` checkpoint extra
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -619,7 +620,7 @@ def test_checkpoint_binding_on_save_and_load() -> None:
     setup = _trained("owner")
     opt = setup.opt
     same = CheckpointProcessGroupBinding(SOLO, ME, None, "cpu")
-    sd = opt.state_dict(checkpoint_binding=same)
+    sd = copy.deepcopy(opt.state_dict(checkpoint_binding=same))  # kept across a step: a copy
     assert sd["gefen"]["scope"]["identity"] == SOLO.to_primitive()
     trains(opt, seed=50)
     for other in (

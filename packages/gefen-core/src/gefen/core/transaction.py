@@ -118,16 +118,23 @@ class HookedStepState:
         return False
 
     def check_not_stale(self, incoming: object) -> None:
-        """Raise ``ValueError`` when ``incoming`` holds live state tensors that ``state_dict()``
-        handed out before the optimizer's last step: they have moved on since, its counters and
-        copied values have not, so loading it would mix two steps (a rollback must copy)."""
-        record = self._handed_out
-        if record is None or record[0] == self.commit_count:
-            return
-        live = list(cast(Any, self).state.values())
-        addresses = {tensor.untyped_storage().data_ptr() for tensor in _tensors(live)}
-        if any(tensor.untyped_storage().data_ptr() in addresses for tensor in _tensors(incoming)):
-            raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
+        """Raise ``ValueError`` when an entry of ``incoming`` holds a live state tensor but
+        another ``step`` count than the live entry: ``state_dict()`` handed it out before a
+        step, the tensor has moved on since and the counters have not, so loading it would mix
+        two steps (a rollback must copy). Read by content, whatever was handed out since;
+        ``run_load`` skips it for a dict written in place since its hand-out (a DCP template
+        filled with a file holds the file's counts beside the file's values)."""
+        live_entries: dict[int, Mapping[str, Any]] = {}
+        for entry in cast(Any, self).state.values():
+            if isinstance(entry, Mapping):
+                for tensor in _tensors(entry):
+                    live_entries[tensor.untyped_storage().data_ptr()] = entry
+        state = incoming.get("state") if isinstance(incoming, Mapping) else None
+        for entry in state.values() if isinstance(state, Mapping) and live_entries else ():
+            for tensor in _tensors(entry):
+                live = live_entries.get(tensor.untyped_storage().data_ptr())
+                if live is not None and not _same_count(entry.get("step"), live.get("step")):
+                    raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
 
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
@@ -200,9 +207,15 @@ IN_PLACE_REFUSAL = (
 
 STALE_STATE_DICT = (
     "this state dict holds the optimizer's live state tensors, handed out by state_dict() before "
-    "its last step: they have moved on since, its counters have not, and loading it would mix "
-    "the two (copy.deepcopy a state_dict() kept for a rollback, or save it to a file)"
+    "its last step: they have moved on since, its step counts have not, and loading it would "
+    "mix the two (copy.deepcopy a state_dict() kept for a rollback, or save it to a file)"
 )
+
+
+def _same_count(saved: object, live: object) -> bool:
+    """Whether an entry's ``step`` is the live one's: the same object (AdamW's aliased step
+    tensor) or an equal int."""
+    return saved is live or (type(saved) is int and type(live) is int and saved == live)
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
@@ -370,8 +383,10 @@ def run_load(
     op = optimizer.guarded_operation()
 
     def checked() -> PreparedLoadLike:
-        optimizer.check_not_stale(incoming)
-        return prepare()
+        prepared = prepare()  # its own refusals first: the staleness is the last rule
+        if not in_place:  # a DCP template filled in place holds the file's counts, not stale
+            optimizer.check_not_stale(incoming)
+        return prepared
 
     try:
         if op.scope and op.binding is None:

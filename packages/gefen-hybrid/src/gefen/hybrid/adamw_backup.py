@@ -257,7 +257,8 @@ def prepare_adamw_load(backup: torch.optim.Optimizer, sd: Any) -> PreparedAdamWL
     drop_unstarted_entries(copied)
     rank_local = _rank_local(backup, copied)
     for entry in copied["state"].values():  # owned: torch's load would keep the caller's
-        entry.update({k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)})
+        if isinstance(entry, dict):  # (a user key's value is kept as it is)
+            entry.update({k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)})
     shadow = _shadow(backup)
     torch.optim.Optimizer.load_state_dict(shadow, copied)
     return PreparedAdamWLoad(backup, shadow.state, shadow.param_groups, rank_local)
