@@ -149,3 +149,35 @@ def test_a_state_dict_handed_out_before_a_step_is_refused_and_a_copy_rolls_back(
     _train(twin_model, twin, 2)
     for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", ["gefen", "hybrid"])
+def test_a_state_dict_handed_out_before_a_codebook_refresh_is_refused(kind: str) -> None:
+    """A manual ``refresh_codebook()`` remaps the live codes in place and moves no step count,
+    so a dict handed out before it used to load: the new codes beside the old codebook. Its
+    codebook is not the live one any more; it is refused by name, nothing changes, and a copy
+    taken at the same moment rolls back bit for bit."""
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    model = _model()
+    optimizer = BUILDERS[kind](model)
+    refreshing = optimizer if kind == "gefen" else optimizer.backup
+    _train(model, optimizer, 2)
+    handed_out = optimizer.state_dict()
+    kept = copy.deepcopy(handed_out)
+    twin_model, twin = copy.deepcopy((model, optimizer))
+    (model(torch.randn(8, 16)).square().mean() * 1e4).backward()
+    assert refreshing.refresh_codebook()
+    optimizer.zero_grad()
+    before = deep_snapshot(optimizer)
+    with pytest.raises(ValueError, match="before its last step \\(or codebook refresh\\)"):
+        optimizer.load_state_dict(handed_out)
+    assert snapshot_diff(before, deep_snapshot(optimizer)) == []
+    optimizer.load_state_dict(kept)
+    model.load_state_dict(twin_model.state_dict())
+    torch.manual_seed(5)
+    _train(model, optimizer, 2)
+    torch.manual_seed(5)
+    _train(twin_model, twin, 2)
+    for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

@@ -82,6 +82,22 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
     return extras
 
 
+def saved_codebooks(incoming: object, live: Tensor | None) -> list[tuple[Tensor, Tensor]]:
+    """(each codebook ``incoming`` holds: its top-level extras' and its groups' copies, ``live``);
+    none while no codebook is learned."""
+    if live is None:
+        return []
+    groups = incoming.get("param_groups") if isinstance(incoming, Mapping) else None
+    holders = [incoming, *(groups if isinstance(groups, list) else ())]
+    pairs = []
+    for holder in holders:
+        extras = holder.get(EXTRAS_KEY) if isinstance(holder, Mapping) else None
+        saved = extras.get("codebook") if isinstance(extras, Mapping) else None
+        if isinstance(saved, Tensor):
+            pairs.append((saved, live))
+    return pairs
+
+
 def scope_extras(optimizer: ShellInterface) -> dict[str, Any] | None:
     """The codebook scope's identity and refresh policy (never a runtime handle), or None."""
     finalized = optimizer.finalized

@@ -26,7 +26,7 @@ from gefen.core.groups import checked_new_group
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import group_uses_codebook
-from gefen.core.saving import build_state_dict
+from gefen.core.saving import build_state_dict, saved_codebooks
 from gefen.core.scoped import scope_header_payload
 from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.state import CodecKeys, EntrySpec, entries_nbytes
@@ -132,14 +132,12 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return self._finalized.replicated_positions()
 
     def _validate_registration(self, candidate: Mapping[str, Any]) -> None:
-        """Registration-only rules for a normalised new group (GefenMuon: 2-D parameters, no
-        mixed sharded modes); the step preflight does not repeat them."""
+        """Registration-only rules of a new group (GefenMuon's 2-D, unmixed modes); once."""
 
     def select_new_period(
         self, group: Mapping[str, Any], param: Tensor, view: Tensor, shape: tuple[int, ...]
     ) -> int | None:
-        """The period of a parameter seen for the first time: ``template_period`` where the
-        shape fixes it (§4.1), else §4's search of its first gradient."""
+        """A new parameter's period: ``template_period`` (§4.1), else §4's gradient search."""
         fixed = self.template_period(group, param)
         return fixed if fixed is not None else select_period(view, shape, force_one=False)
 
@@ -380,9 +378,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             raise
 
     def publish_learning(self, learning: StagedLearning) -> None:
-        """Write what codebook learning staged (periods, remapped codes, the codebook); the
-        publication step of a step, an ``initialize_codebook`` or a ``refresh_codebook``. A
-        failure part-way latches."""
+        """Write what learning staged (periods, remapped codes, codebook) for a step, an
+        ``initialize_codebook`` or a ``refresh_codebook``; a failure part-way latches."""
         if not learning.periods and learning.remap is None and learning.codebook is None:
             return
         self.note_commit()
@@ -435,6 +432,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def codebook(self) -> Tensor | None:
         """The learned fp32 codebook (256 values, 16 for codebook4), or None."""
         return self._codebook
+
+    def saved_codebooks(self, incoming: object) -> list[tuple[Tensor, Tensor]]:
+        return saved_codebooks(incoming, self._codebook)
 
     # -- checkpoints (§8) -------------------------------------------------------------------
 

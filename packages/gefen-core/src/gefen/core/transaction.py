@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import torch
@@ -130,11 +130,22 @@ class HookedStepState:
                 for tensor in _tensors(entry):
                     live_entries[tensor.untyped_storage().data_ptr()] = entry
         state = incoming.get("state") if isinstance(incoming, Mapping) else None
+        aliased = False
         for entry in state.values() if isinstance(state, Mapping) and live_entries else ():
             for tensor in _tensors(entry):
                 live = live_entries.get(tensor.untyped_storage().data_ptr())
+                aliased = aliased or live is not None
                 if live is not None and not _same_count(entry.get("step"), live.get("step")):
                     raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
+        # A refresh remaps the live codes in place and moves no step count: the codebook tells.
+        pairs = self.saved_codebooks(incoming) if aliased else ()
+        if any(not _same_codebook(saved, live) for saved, live in pairs):
+            raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
+
+    def saved_codebooks(self, incoming: object) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """Each learned codebook ``incoming`` holds, beside the live one it stands for (for
+        ``check_not_stale``); none by default."""
+        return ()
 
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
@@ -207,9 +218,18 @@ IN_PLACE_REFUSAL = (
 
 STALE_STATE_DICT = (
     "this state dict holds the optimizer's live state tensors, handed out by state_dict() before "
-    "its last step: they have moved on since, its step counts have not, and loading it would "
-    "mix the two (copy.deepcopy a state_dict() kept for a rollback, or save it to a file)"
+    "its last step (or codebook refresh): they have moved on since, its step counts (or codebook) "
+    "have not, and loading it would mix the two (copy.deepcopy a state_dict() kept for a "
+    "rollback, or save it to a file)"
 )
+
+
+def _same_codebook(saved: torch.Tensor, live: torch.Tensor) -> bool:
+    """Whether ``saved`` (a format-2 slot may be longer) begins with the values of ``live``."""
+    values = local_tensor(saved).detach().flatten()
+    if values.numel() < live.numel() or values.dtype != live.dtype:
+        return False
+    return torch.equal(values[: live.numel()].to(live.device), live.flatten())
 
 
 def _same_count(saved: object, live: object) -> bool:

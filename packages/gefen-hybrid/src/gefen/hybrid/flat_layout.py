@@ -27,7 +27,7 @@ from gefen.core.extension import flattened_dcp_hint, torch_indices
 if TYPE_CHECKING:
     from gefen.hybrid.composite import HybridInterface
 
-__all__ = ["EXTRAS_KEY", "FORMAT_VERSION", "GROUP_WORDS", "ROLES", "join", "split"]
+__all__ = ["EXTRAS_KEY", "FORMAT_VERSION", "GROUP_WORDS", "ROLES", "child_view", "join", "split"]
 
 EXTRAS_KEY = "gefen_hybrid"
 FORMAT_VERSION = 1
@@ -49,6 +49,21 @@ def _extent(groups: Sequence[Mapping[str, Any]]) -> int:
     """How far a child's ids reach: torch's numbering advances by each group's length (a
     repeated parameter keeps one id, so ids may skip)."""
     return sum(len(group["params"]) for group in groups)
+
+
+def child_view(flat: object, role: str) -> dict[str, Any]:
+    """What ``flat`` holds of child ``role`` as its own dict would: its top-level extras and its
+    groups (the ``use_muon`` flag picks them). Unchecked, for reads that must never raise."""
+    flag = dict(ROLES)[role]
+    flat = flat if isinstance(flat, Mapping) else {}
+    extras, groups = flat.get(EXTRAS_KEY), flat.get("param_groups")
+    part = extras.get(role) if isinstance(extras, Mapping) else None
+    view = dict(part) if isinstance(part, Mapping) else {}
+    groups = groups if isinstance(groups, list) else []
+    view["param_groups"] = [
+        g for g in groups if isinstance(g, Mapping) and g.get("use_muon") is flag
+    ]
+    return view
 
 
 def join(nested: Mapping[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from gefen.hybrid.construction import (
     resolve_groups,
 )
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
+from gefen.hybrid.flat_layout import child_view
 from gefen.hybrid.group_form import follow_scheduled_momentum, renumber_groups, split_groups
 from gefen.hybrid.state_view import HybridState
 from gefen.muon import GefenMuon
@@ -206,6 +207,13 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     def participants(self) -> tuple[tuple[str, ChildParticipant], ...]:
         """(role, participant) of each present child, Muon first: what the step and load run."""
         return self._participants
+
+    def saved_codebooks(self, incoming: object) -> list[tuple[Tensor, Tensor]]:
+        """The Gefen children's pairs, each read from its part of the flat dict."""
+        shells = [(role, c) for role, c in self._roles() if isinstance(c, OptimizerShell)]
+        return [
+            pair for role, c in shells for pair in c.saved_codebooks(child_view(incoming, role))
+        ]
 
     def owner_of(self, key: object) -> torch.optim.Optimizer | None:
         """The child that owns parameter ``key``, or None."""
