@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gefen.core.deferred import assemble_pending
 from gefen.core.options import codebook_size, group_uses_codebook, owned_option
-from gefen.core.replicas import NO_REPLICA, replica_words
+from gefen.core.replicas import NO_REPLICA, load_replica_words
 from gefen.core.resharding import check_row_periods
 from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
 from gefen.core.scoped import load_header_payload
@@ -485,10 +485,7 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
     device = flat_params[0].device if flat_params else torch.device("cpu")
     if codebook is not None:
         codebook = codebook.detach().to(device=device, copy=True)
-    positions = optimizer.replicated_positions(staged_groups)
-    words = NO_REPLICA
-    if positions is not None:
-        words = replica_words(extras["global_step"], codebook, [saved.get(i) for i in positions])
+    words = load_replica_words(optimizer, staged_groups, extras["global_step"], codebook, saved)
     return PreparedLoad(
         optimizer,
         new_state,

@@ -6,7 +6,8 @@ the mesh loads the same consolidated file. A stale file on one rank would make t
 diverge silently, so the load vote compares a digest of that state in its own all-reduce
 (``GuardedOperation.local_agreeing``) and one stale file fails every rank with nothing changed.
 Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested, but under
-row sharding the global step and the codebook are (docs/core.md §9.1), so a stale file loaded
+row sharding the global step, the codebook and every entry's counters are (docs/core.md §9.1),
+so a stale file loaded
 through torch's header-less get/set path fails there too; of a DTensor (a replica saved as each
 rank's rows) the digest takes the global layout, not this rank's rows.
 """
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from gefen.core.validation import is_dtensor
 
-__all__ = ["NO_REPLICA", "replica_words"]
+__all__ = ["NO_REPLICA", "load_replica_words", "replica_words"]
 
 NO_REPLICA = (0, 0)
 """The words of a load with no replicated state (every rank agrees on them)."""
@@ -59,3 +60,40 @@ def replica_words(
     for entry in entries:
         _feed(digest, entry)
     return int.from_bytes(digest.digest(), "big"), len(entries)
+
+
+def load_replica_words(
+    optimizer: Any,
+    groups: Sequence[Mapping[str, Any]],
+    global_step: int,
+    codebook: Tensor | None,
+    saved: Mapping[int, Any],
+) -> tuple[int, int]:
+    """The words of a staged load: its replicated entries whole; under row sharding also the
+    ``step`` and ``v_step`` of each parameter every rank holds rows of, plain ints equal on
+    every rank (docs/core.md §9.1), so no rank updates its rows with other counters. (A rank
+    without rows keeps no counters, so those parameters are left out.)"""
+    positions = optimizer.replicated_positions(groups)
+    if positions is None:
+        return NO_REPLICA
+    entries = [saved.get(position) for position in positions]
+    if optimizer.row_sharded():
+        params = [param for group in groups for param in group["params"]]
+        entries = [
+            _counters(saved.get(position)) if _rows_on_every_rank(param) else None
+            for position, param in enumerate(params)
+        ]
+    return replica_words(global_step, codebook, entries)
+
+
+def _counters(entry: object) -> dict[str, object]:
+    held = entry if isinstance(entry, Mapping) else {}
+    return {key: held.get(key, 0) for key in ("step", "v_step")}
+
+
+def _rows_on_every_rank(param: Any) -> bool:
+    """Whether ``torch.chunk`` gives every rank of the shard dimension (a row-sharded mesh's
+    last) rows of this DTensor; decided from the global layout, so alike on every rank."""
+    rows, ranks = (param.shape[0] if param.ndim else 1), param.device_mesh.shape[-1]
+    per_rank = -(-rows // ranks)
+    return rows > 0 and -(-rows // per_rank) == ranks
