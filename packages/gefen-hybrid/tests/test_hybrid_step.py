@@ -990,6 +990,33 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])
+def test_a_deleted_adamw_backup_option_is_named_missing(key: str) -> None:
+    """It read as the wrong cause ("lr must be a real number, got NoneType")."""
+    hybrid = _hybrid(_model(), "adamw")
+    _stepped(hybrid)
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    _set_grads(hybrid, 32)
+    before = _snapshot(hybrid)
+    good = list(group.items())
+    del group[key]
+
+    def restore() -> None:  # in the group's own key order
+        group.clear()
+        group.update(good)
+
+    fragment = f"AdamW backup group 0: the option '{key}' is missing"
+    _rejects(
+        hybrid,
+        hybrid.step,
+        ValueError,
+        fragment,
+        restore=restore,
+        before=before,
+    )
+
+
 @pytest.mark.parametrize(
     ("edits", "fragment"),
     [

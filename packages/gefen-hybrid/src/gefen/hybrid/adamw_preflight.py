@@ -50,6 +50,9 @@ def _real(value: object, where: str, name: str) -> float | None:
 def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
     """Raise ``ValueError("{where}: <rule>")`` on the first option of an AdamW group that its
     step would fail on or turn into NaN (used by the preflight and by the backup's load)."""
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        if key not in group:  # torch's AdamW would fail with a bare KeyError inside its step
+            raise ValueError(f"{where}: the option '{key}' is missing")
     lr = _real(group.get("lr"), where, "lr")
     if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
         raise ValueError(f"{where}: lr must be finite and >= 0, got {lr}")
