@@ -181,3 +181,65 @@ def test_a_state_dict_handed_out_before_a_codebook_refresh_is_refused(kind: str)
     _train(twin_model, twin, 2)
     for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_a_state_dict_handed_out_before_the_first_codebook_still_loads() -> None:
+    """Format 2 presents a zero codebook slot while none is learned: no older codebook, so a
+    dict taken then is not stale once ``initialize_codebook()`` has learned one."""
+    torch.manual_seed(0)
+    plain, coded = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    groups = [{"params": plain.parameters(), "momentum_codec": "none"}]
+    optimizer = Gefen([*groups, {"params": coded.parameters()}], lr=1e-2)
+    for _ in range(2):
+        plain(torch.randn(4, 16)).square().mean().backward()
+        for param in coded.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+    handed_out = optimizer.state_dict()
+    coded(torch.randn(4, 16)).square().mean().backward()
+    assert optimizer.initialize_codebook()
+    optimizer.load_state_dict(handed_out)
+    assert optimizer.codebook is None
+    assert not optimizer.latched
+
+
+@pytest.mark.parametrize("kind", STALE_BUILDERS)
+@pytest.mark.parametrize("write", ["nan", "older_file"])
+def test_a_template_kept_across_a_step_is_still_read_as_written_in_place(
+    kind: str, write: str
+) -> None:
+    """A template handed out before a step and filled after it (``dcp.load`` into a template
+    kept from earlier) lost its note at the step: a NaN file was refused without a latch,
+    though it was in the live state already, and the next step trained on it (NaN parameters);
+    an older valid file was refused as stale. The step's own writes are renoted now: the NaN
+    file latches, and the older file loads, as a copy of it would."""
+    model = _model()
+    optimizer = STALE_BUILDERS[kind](model)
+    _train(model, optimizer, 2)
+    older = copy.deepcopy(optimizer.state_dict())
+    twin_model, twin = copy.deepcopy((model, optimizer))
+    template = optimizer.state_dict()
+    _train(model, optimizer, 1)
+    if write == "nan":
+        _a_live_scale(template).fill_(float("nan"))
+        with pytest.raises(ValueError, match="must be finite"):
+            optimizer.load_state_dict(template)
+        assert optimizer.latched
+        with pytest.raises(RuntimeError, match="refused load had already been written"):
+            _train(model, optimizer, 1)
+        model.zero_grad()
+        optimizer.load_state_dict(older)  # a valid checkpoint clears it
+    else:
+        for entry, saved in zip(template["state"].values(), older["state"].values(), strict=True):
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    value.copy_(saved[key])  # what dcp.load of the older file does
+        optimizer.load_state_dict(template)
+    assert not optimizer.latched
+    model.load_state_dict(twin_model.state_dict())
+    torch.manual_seed(5)
+    _train(model, optimizer, 2)
+    torch.manual_seed(5)
+    _train(twin_model, twin, 2)
+    for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

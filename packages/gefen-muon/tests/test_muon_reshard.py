@@ -257,6 +257,45 @@ def test_an_approx_file_fails_closed_in_an_exact_optimizer(tmp_path: Path) -> No
         assert "a refused load had already been written" in result["stepped"]
 
 
+def scenario_counters_on_one_rank(rank: int, world_size: int, key: str) -> dict[str, Any]:
+    """Row-sharded NorMuon: rank 1 loads rank 0's state with every entry's ``key`` one lower,
+    through torch's in-memory get/set path (no header)."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from gefen.core.testing import attempt
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    model = mt.sharded(mt.mesh_1d(world_size), mt.fulls(SHAPES, 0))
+    optimizer = mt.sharded_muon(model, sharded_mode="approx", normuon=True)
+    assert optimizer.row_sharded()
+    _train(model, optimizer, range(3))
+    saved = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
+    if rank == 1:
+        for entry in saved["state"].values():
+            entry[key] -= 1
+    before = deep_snapshot(optimizer)
+    outcome = attempt(lambda: set_optimizer_state_dict(model, optimizer, saved), value=False)
+    changes = snapshot_diff(before, deep_snapshot(optimizer))
+    _train(model, optimizer, range(3, 4))
+    return {"outcome": outcome, "changes": changes, "step": optimizer.global_step}
+
+
+@pytest.mark.parametrize("key", ["normuon_step", "step"])
+def test_other_counters_on_one_rank_fail_every_rank(key: str) -> None:
+    # They loaded: the rows of one matrix were then updated with two bias corrections.
+    scenarios = [("counters", scenario_counters_on_one_rank, (key,))]
+    world = run_scenarios(scenarios, 2, rank_deadline_s=300.0)
+    for result in world["counters"]:
+        assert "replicated state differs" in result["outcome"]["error"]
+        assert result["changes"] == []
+        assert result["step"] == 4
+
+
 def _full_options() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

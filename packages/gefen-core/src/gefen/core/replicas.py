@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gefen.core.resharding import COUNTERS, rows_on_every_rank
 from gefen.core.validation import is_dtensor
 
 __all__ = ["NO_REPLICA", "load_replica_words", "replica_words"]
@@ -69,31 +70,24 @@ def load_replica_words(
     codebook: Tensor | None,
     saved: Mapping[int, Any],
 ) -> tuple[int, int]:
-    """The words of a staged load: its replicated entries whole; under row sharding also the
-    ``step`` and ``v_step`` of each parameter every rank holds rows of, plain ints equal on
-    every rank (docs/core.md §9.1), so no rank updates its rows with other counters. (A rank
-    without rows keeps no counters, so those parameters are left out.)"""
+    """The words of a staged load. Replicated entries are digested whole. A row-sharded
+    optimizer has none (its state is each rank's rows); its digest takes instead the counters
+    of each parameter every rank holds rows of, plain ints equal on every rank (docs/core.md
+    §9.1), so no rank updates its rows with other bias corrections. (A rank without rows keeps
+    no counters, so those parameters are left out.)"""
     positions = optimizer.replicated_positions(groups)
     if positions is None:
         return NO_REPLICA
-    entries = [saved.get(position) for position in positions]
-    if optimizer.row_sharded():
-        params = [param for group in groups for param in group["params"]]
-        entries = [
-            _counters(saved.get(position)) if _rows_on_every_rank(param) else None
-            for position, param in enumerate(params)
-        ]
-    return replica_words(global_step, codebook, entries)
+    if not optimizer.row_sharded():
+        return replica_words(global_step, codebook, [saved.get(i) for i in positions])
+    params = [param for group in groups for param in group["params"]]
+    counters = [
+        _counters(saved.get(position)) if rows_on_every_rank(param) else None
+        for position, param in enumerate(params)
+    ]
+    return replica_words(global_step, codebook, counters)
 
 
 def _counters(entry: object) -> dict[str, object]:
     held = entry if isinstance(entry, Mapping) else {}
-    return {key: held.get(key, 0) for key in ("step", "v_step")}
-
-
-def _rows_on_every_rank(param: Any) -> bool:
-    """Whether ``torch.chunk`` gives every rank of the shard dimension (a row-sharded mesh's
-    last) rows of this DTensor; decided from the global layout, so alike on every rank."""
-    rows, ranks = (param.shape[0] if param.ndim else 1), param.device_mesh.shape[-1]
-    per_rank = -(-rows // ranks)
-    return rows > 0 and -(-rows // per_rank) == ranks
+    return {key: held.get(key) for key in COUNTERS}

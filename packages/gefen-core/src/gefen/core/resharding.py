@@ -40,6 +40,7 @@ __all__ = [
     "every_rank_has_rows",
     "local_rows",
     "row_sharded_mesh",
+    "rows_on_every_rank",
     "summed_over",
 ]
 
@@ -87,6 +88,11 @@ def _rows_placed(param: Tensor) -> bool:
     mesh, placements = param.device_mesh, tuple(param.placements)  # type: ignore[attr-defined]
     expected = {1: (Shard(0),), 2: (Replicate(), Shard(0))}.get(mesh.ndim)
     return placements == expected and _shards(param) >= 2
+
+
+def rows_on_every_rank(param: Tensor) -> bool:
+    """Whether every rank of a row-sharded DTensor's shard dimension holds rows of it."""
+    return every_rank_has_rows(param.shape[0], _shards(param))
 
 
 def _shards(param: Tensor) -> int:

@@ -19,6 +19,7 @@ from gefen.core.options import codebook_size
 from gefen.core.resharding import agree_counters, as_row_dtensors
 from gefen.core.state import is_initialized
 from gefen.core.template import (
+    PRESENCE_KEY,
     TEMPLATE_FORMAT,
     initialized_flags,
     present_codebook,
@@ -35,6 +36,7 @@ __all__ = [
     "FORMAT_VERSION",
     "build_state_dict",
     "live_extras",
+    "saved_codebooks",
     "scope_extras",
     "torch_indices",
 ]
@@ -83,8 +85,8 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
 
 
 def saved_codebooks(incoming: object, live: Tensor | None) -> list[tuple[Tensor, Tensor]]:
-    """(each codebook ``incoming`` holds: its top-level extras' and its groups' copies, ``live``);
-    none while no codebook is learned."""
+    """(each learned codebook ``incoming`` holds: its top-level extras' and its groups' copies,
+    ``live``); none while no codebook is learned live."""
     if live is None:
         return []
     groups = incoming.get("param_groups") if isinstance(incoming, Mapping) else None
@@ -92,8 +94,11 @@ def saved_codebooks(incoming: object, live: Tensor | None) -> list[tuple[Tensor,
     pairs = []
     for holder in holders:
         extras = holder.get(EXTRAS_KEY) if isinstance(holder, Mapping) else None
-        saved = extras.get("codebook") if isinstance(extras, Mapping) else None
-        if isinstance(saved, Tensor):
+        if not isinstance(extras, Mapping):
+            continue
+        saved = extras.get("codebook")
+        # format 2 presents a zero slot while none is learned: no codebook, not an older one
+        if isinstance(saved, Tensor) and extras.get(PRESENCE_KEY, 1) != 0:
             pairs.append((saved, live))
     return pairs
 

@@ -112,8 +112,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         self._check_local_inputs()
 
     def _check_local_inputs(self) -> None:
-        """Further rank-local step checks; the default: §7.2's state match of each entry that
-        (or whose parameter) changed since it last matched (the commit writes in place)."""
+        """Further rank-local step checks; by default §7.2's match of each changed entry."""
         previous = self.__dict__.get("_matched_entries", {})
         self._matched_entries = match_changed_entries(self, previous)
 
@@ -121,8 +120,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         """Optional extras keys of this optimizer, from the entries ``state_dict`` emits."""
         return {}
 
-    def rank_local_checkpoint(self) -> bool:
-        """Whether checkpoints are rank-local (carry ``"rank_local"``, docs/dist.md §10.3)."""
+    def rank_local_checkpoint(self) -> bool:  # carries "rank_local" (docs/dist.md §10.3)
         return "rank_local" in self.OPTIONAL_EXTRAS and len(self.step_failure_scope()) > 0
 
     def replicated_positions(self, groups: list[dict[str, Any]]) -> list[int] | None:
@@ -167,10 +165,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return {i: dict(entries.get(p, {"period": 0})) for i, _, p in self.indexed_params()}
 
     def stage_entries(
-        self,
-        saved_state: Mapping[int, Any],
-        groups: list[dict[str, Any]],
-        extras: Mapping[str, Any],
+        self, saved: Mapping[int, Any], groups: list[dict[str, Any]], extras: Mapping[str, Any]
     ) -> dict[int, dict[str, Any]]:
         """Shadow entries by flat position from the saved entries (same positions; a missing
         entry is the pristine placeholder), validated with ``validate_entry``."""
@@ -368,7 +363,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return learning
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
-        """Phase 5: publish, update, count. Any failure latches (§7.4)."""
+        """Phase 5: publish, update, count, renote. Any failure latches (§7.4)."""
+        kept = self._handed_out and self.current_note()  # no call while none is handed out
         self.publish_learning(learning)
         try:
             self._commit_step(plan)
@@ -376,17 +372,20 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         except BaseException:
             self._commit_failed = True
             raise
+        if kept:  # the step's own writes are no foreign ones to what state_dict() handed out
+            self.renote(kept)
 
     def publish_learning(self, learning: StagedLearning) -> None:
         """Write what learning staged (periods, remapped codes, codebook) for a step, an
         ``initialize_codebook`` or a ``refresh_codebook``; a failure part-way latches."""
         if not learning.periods and learning.remap is None and learning.codebook is None:
             return
-        self.note_commit()
+        kept = self.note_commit()
         try:
             codebook_ops.publish(self, learning)
             if learning.codebook is not None:
                 self._codebook = learning.codebook
+            self.renote(kept)
         except BaseException:
             self._commit_failed = True
             raise
@@ -434,6 +433,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return self._codebook
 
     def saved_codebooks(self, incoming: object) -> list[tuple[Tensor, Tensor]]:
+        """Each learned codebook ``incoming`` holds, beside the live one (``check_not_stale``)."""
         return saved_codebooks(incoming, self._codebook)
 
     # -- checkpoints (§8) -------------------------------------------------------------------

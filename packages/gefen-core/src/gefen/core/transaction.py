@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 
+_HandOutRecord = tuple[int, dict[int, tuple["weakref.ref[torch.Tensor]", int]]]
+
+
 class HookedStepState:
     """Mixin for optimizers whose ``step`` fires the hooks itself (docs/core.md §2.4).
 
@@ -66,15 +69,39 @@ class HookedStepState:
     _commit_failed: bool | str = False  # the latch: True after a failed commit, or a reason
     # hand_out's record: the commit count it is good for, and by storage address the live
     # tensor handed out with its in-place version then
-    _handed_out: tuple[int, dict[int, tuple[weakref.ref[torch.Tensor], int]]] | None = None
+    _handed_out: _HandOutRecord | None = None
     _commits = 0  # the optimizer's own writes of its live state (note_commit)
 
-    def note_commit(self) -> None:
+    def note_commit(self) -> _HandOutRecord | None:
         """The optimizer itself is about to write its live state (a load's commit, a codebook
-        publication; a step's is in ``commit_count``): what ``hand_out`` noted can no longer
-        tell a foreign write. The note is dropped too: a load may set the global step back."""
+        publication): the note ``hand_out`` made is taken off (a load may set the global step
+        back, so its count could come round again) and returned where it covered the live state,
+        for ``renote`` once the write is done."""
+        covered = self.current_note()
         self._commits += 1
         self._handed_out = None
+        return covered
+
+    def current_note(self) -> _HandOutRecord | None:
+        """``hand_out``'s note where it covers the live state as it is (no own write since)."""
+        record = self._handed_out
+        return record if record is not None and record[0] == self.commit_count else None
+
+    def renote(self, record: _HandOutRecord | None) -> None:
+        """After an own write of the live state that ``record`` covered (a step's commit, a
+        load's, a codebook refresh remapping the codes): note the still-live tensors it holds
+        as they are now, so that write is not read as a foreign one (``written_in_place``) and
+        a template kept across it is still vouched for."""
+        if record is None:
+            return
+        live_state = list(cast(Any, self).state.values())  # torch's, or the hybrid's view
+        live = {tensor.untyped_storage().data_ptr() for tensor in _tensors(live_state)}
+        noted = {}
+        for address, (ref, _) in record[1].items():
+            tensor = ref()
+            if tensor is not None and address in live:
+                noted[address] = (ref, tensor_version(tensor))
+        self._handed_out = (self.commit_count, noted)
 
     @property
     def commit_count(self) -> int:
@@ -90,10 +117,10 @@ class HookedStepState:
 
     def hand_out(self, state_dict: _Dict) -> _Dict:
         """Note the in-place version of each live state tensor ``state_dict`` shares, as it was
-        when first handed out since the optimizer's last own write (a DCP load asks again after
-        it wrote the file into its template); ``written_in_place`` compares them at a load."""
-        record = self._handed_out
-        if record is None or record[0] != self.commit_count:
+        when first handed out (a DCP load asks again after it wrote the file into its template);
+        the optimizer's own writes renote it, and ``written_in_place`` compares at a load."""
+        record = self.current_note()
+        if record is None:
             record = self._handed_out = (self.commit_count, {})
         shared = {tensor.untyped_storage().data_ptr() for tensor in _tensors(state_dict)}
         live_state = list(cast(Any, self).state.values())  # torch's, or the hybrid's view
@@ -105,9 +132,9 @@ class HookedStepState:
 
     def written_in_place(self, incoming: object) -> bool:
         """Whether a live state tensor that ``incoming`` shares was written after it was handed
-        out by ``state_dict()`` (no commit since): then the load's input is already in it."""
-        record = self._handed_out
-        if record is None or record[0] != self.commit_count:
+        out by ``state_dict()`` (and not by the optimizer): then the load's input is in it."""
+        record = self.current_note()
+        if record is None:
             return False
         for tensor in _tensors(incoming):
             noted = record[1].get(tensor.untyped_storage().data_ptr())
@@ -119,9 +146,11 @@ class HookedStepState:
 
     def check_not_stale(self, incoming: object) -> None:
         """Raise ``ValueError`` when an entry of ``incoming`` holds a live state tensor but
-        another ``step`` count than the live entry: ``state_dict()`` handed it out before a
-        step, the tensor has moved on since and the counters have not, so loading it would mix
-        two steps (a rollback must copy). Read by content, whatever was handed out since;
+        another ``step`` count than the live entry, or a learned codebook of ``incoming`` is not
+        the live one (``saved_codebooks``; a refresh remaps codes in place): ``state_dict()``
+        handed it out before a step or refresh, the tensor has moved on since and the rest has
+        not, so loading it would mix the two (a rollback must copy). Read by content, whatever
+        was handed out since;
         ``run_load`` skips it for a dict written in place since its hand-out (a DCP template
         filled with a file holds the file's counts beside the file's values)."""
         live_entries: dict[int, Mapping[str, Any]] = {}
@@ -205,7 +234,8 @@ class LoadParticipant(Protocol):
     def guarded_operation(self) -> GuardedOperation: ...
     def check_not_stale(self, incoming: object) -> None: ...
     def written_in_place(self, incoming: object) -> bool: ...
-    def note_commit(self) -> None: ...
+    def note_commit(self) -> Any: ...
+    def renote(self, record: Any) -> None: ...
     def latch(self, reason: str) -> None: ...
 
 
@@ -214,7 +244,6 @@ IN_PLACE_REFUSAL = (
     "those of this optimizer's own state_dict(), as in a DCP load template that dcp.load fills "
     "in place); load a valid checkpoint with load_state_dict to continue"
 )
-
 
 STALE_STATE_DICT = (
     "this state dict holds the optimizer's live state tensors, handed out by state_dict() before "
@@ -395,7 +424,8 @@ def run_load(
     A refused load changes nothing, unless ``incoming`` (the state dict) holds live state
     tensors written since ``state_dict()`` handed them out (``dcp.load`` fills its template in
     place): the optimizer holds the refused values already, so the refusal latches it
-    (``IN_PLACE_REFUSAL``) rather than let it train on them."""
+    (``IN_PLACE_REFUSAL``) rather than let it train on them. The optimizer's own writes since
+    the hand-out (steps, loads) are renoted, so they count as none of these."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
             return run_load(optimizer, prepare, incoming)
@@ -421,8 +451,9 @@ def run_load(
         if in_place:
             optimizer.latch(IN_PLACE_REFUSAL)
         raise
-    optimizer.note_commit()
+    kept = optimizer.note_commit()
     prepared.commit()
+    optimizer.renote(kept)
     prepared.run_post_hooks()
 
 

@@ -442,7 +442,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         """Phases 4–5 child by child (Muon first). A failure once a commit began latches the
         hybrid; one in the first child's read-only phase 4 leaves it as it was."""
         op = operation if operation is not None else self.guarded_operation()
-        done = 0
+        done, kept = 0, self.current_note()  # kept: what state_dict() handed out, if current
         self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
         try:
             with torch.no_grad():
@@ -450,6 +450,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                     with self.numbering(done):
                         participant.apply_prepared_step(operation=op)
                     done += 1
+            self.renote(kept)  # the children's writes are the hybrid's own, no foreign ones
         except BaseException:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit
             if done > 0 or getattr(self._participants[done][1], "latched", True):
