@@ -657,3 +657,27 @@ def test_a_global_step_beyond_64_bits_is_refused_by_name(step: int, rejects) -> 
         ValueError,
         f"Gefen checkpoint: global_step must be below 2**63, got {step}",
     )
+
+
+def test_the_last_global_step_a_checkpoint_can_hold_is_not_stepped_past(rejects) -> None:
+    """A step at global step 2**63 - 1 (loaded from a checkpoint) used to count to 2**63: the
+    optimizer's next state_dict() could not be loaded by any optimizer. That step is refused by
+    name, nothing changes, and a checkpoint with a smaller count loads and trains."""
+    optimizer, params = _trained()
+    earlier = copy.deepcopy(optimizer.state_dict())
+    sd = copy.deepcopy(earlier)
+    for extras in (sd["gefen"], *(group["gefen"] for group in sd["param_groups"])):
+        extras["global_step"] = 2**63 - 2
+    optimizer.load_state_dict(sd)
+    _grads(params, 7)
+    optimizer.step()  # to the last count: its checkpoint still loads
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert optimizer.global_step == 2**63 - 1
+    _grads(params, 8)
+    rejects(
+        optimizer,
+        optimizer.step,
+        RuntimeError,
+        "Gefen: global_step is 2**63 - 1, the last a checkpoint can hold",
+        restore=lambda: optimizer.load_state_dict(earlier),
+    )

@@ -52,6 +52,7 @@ from gefen.dist.torch_internals import HOOK_REGISTRIES, set_grad_enabled, state_
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 
 _LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
+_LAST_STEP = "global_step is 2**63 - 1, the last a checkpoint can hold (it must be below 2**63)"
 
 
 class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
@@ -68,15 +69,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     REQUIRE_2D: ClassVar[bool] = False
     # The attributes __getstate__ copies (a whitelist: never an instance-level `step` wrapper).
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
-        "defaults",
-        "state",
-        "param_groups",
-        "_global_step",
-        "_codebook",
-        "_commit_failed",
-        "_binding",
-        "_finalized",
-        *HOOK_REGISTRIES,
+        *("defaults", "state", "param_groups", "_global_step", "_codebook", "_commit_failed"),
+        *("_binding", "_finalized", *HOOK_REGISTRIES),
     )
     # The layouts post_sharding accepts (docs/core.md §13); GefenMuon overrides.
     POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
@@ -220,6 +214,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         structural ones only when the steady-state token changed (``gefen.core.steady``)."""
         if self._commit_failed:  # a child of the hybrid is checked here, not by the transaction
             self.check_latch()
+        if self._global_step >= 2**63 - 1:  # the next could not be saved (checkpoint.py's rule)
+            raise RuntimeError(f"{self.OWNER_NAME}: {_LAST_STEP}")
         groups, binding = self.param_groups, self._binding
         token = step_token(groups, self.state, self.defaults) if binding is None else None
         self._validate_changed_groups()  # option values: every step (schedules change them)
@@ -230,9 +226,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             self._steady = token  # what passed; the plan and learning caches key on it
         # Reads the commit needs that prove finiteness (by _select_kernels) run in the check.
         reductions, bounded = self.__dict__.get("_reductions"), self.__dict__.get("_bounded")
-        self._gradient_sums = (
-            {} if amp_present else check_finite_gradients(groups, reductions, bounded)
-        )
+        sums = {} if amp_present else check_finite_gradients(groups, reductions, bounded)
+        self._gradient_sums = sums
 
     def gradient_presence(self) -> list[bool]:
         """Which parameters have a gradient, in group order (the vote agrees on it)."""
