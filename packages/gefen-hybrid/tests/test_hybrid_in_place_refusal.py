@@ -38,6 +38,15 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int)
         optimizer.zero_grad()
 
 
+def _assert_continues_alike(ours: tuple, theirs: tuple) -> None:
+    """Two (model, optimizer) pairs train two more steps on the same batches bit for bit."""
+    for model, optimizer in (ours, theirs):
+        torch.manual_seed(5)
+        _train(model, optimizer, 2)
+    for mine, other in zip(ours[0].parameters(), theirs[0].parameters(), strict=True):
+        assert torch.equal(mine, other)
+
+
 def _a_live_scale(state_dict: dict) -> torch.Tensor:
     """The first ``momentum_scale`` of the state dict (nested per child for the hybrid)."""
     for key in ("state", "muon"):
@@ -143,12 +152,7 @@ def test_a_state_dict_handed_out_before_a_step_is_refused_and_a_copy_rolls_back(
     assert snapshot_diff(before, deep_snapshot(optimizer)) == []
     model.load_state_dict(twin_model.state_dict())
     optimizer.load_state_dict(kept)  # the rollback a copy makes
-    torch.manual_seed(5)
-    _train(model, optimizer, 2)
-    torch.manual_seed(5)
-    _train(twin_model, twin, 2)
-    for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
-        assert torch.equal(ours, theirs)
+    _assert_continues_alike((model, optimizer), (twin_model, twin))
 
 
 @pytest.mark.parametrize("kind", ["gefen", "hybrid"])
@@ -175,12 +179,7 @@ def test_a_state_dict_handed_out_before_a_codebook_refresh_is_refused(kind: str)
     assert snapshot_diff(before, deep_snapshot(optimizer)) == []
     optimizer.load_state_dict(kept)
     model.load_state_dict(twin_model.state_dict())
-    torch.manual_seed(5)
-    _train(model, optimizer, 2)
-    torch.manual_seed(5)
-    _train(twin_model, twin, 2)
-    for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
-        assert torch.equal(ours, theirs)
+    _assert_continues_alike((model, optimizer), (twin_model, twin))
 
 
 def test_a_state_dict_handed_out_before_the_first_codebook_still_loads() -> None:
@@ -237,9 +236,4 @@ def test_a_template_kept_across_a_step_is_still_read_as_written_in_place(
         optimizer.load_state_dict(template)
     assert not optimizer.latched
     model.load_state_dict(twin_model.state_dict())
-    torch.manual_seed(5)
-    _train(model, optimizer, 2)
-    torch.manual_seed(5)
-    _train(twin_model, twin, 2)
-    for ours, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
-        assert torch.equal(ours, theirs)
+    _assert_continues_alike((model, optimizer), (twin_model, twin))
