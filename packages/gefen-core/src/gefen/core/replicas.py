@@ -7,9 +7,8 @@ diverge silently, so the load vote compares a digest of that state in its own al
 (``GuardedOperation.local_agreeing``) and one stale file fails every rank with nothing changed.
 Rank-local state (Gefen's shards, ``approx``) is not a replica and is not digested, but under
 row sharding the global step, the codebook and every entry's counters are (docs/core.md §9.1),
-so a stale file loaded
-through torch's header-less get/set path fails there too; of a DTensor (a replica saved as each
-rank's rows) the digest takes the global layout, not this rank's rows.
+so a stale file loaded through torch's header-less get/set path fails there too; of a DTensor
+(a replica saved as each rank's rows) the digest takes the global layout, not this rank's rows.
 """
 
 from __future__ import annotations
