@@ -478,10 +478,10 @@ def test_a_misfitting_checkpoint_fails_closed_on_every_rank(misfits: Any) -> Non
 
 def scenario_stale_on_one_rank(rank: int, world_size: int, what: str) -> dict[str, Any]:
     """Rank 1 loads its state from one step before rank 0's (``what="file"``), or rank 0's
-    file with every entry's ``step`` and ``v_step`` one lower (``"counters"``), through torch's
-    in-memory get/set_optimizer_state_dict (no header at this level): the step, the codebook
-    and the entries' counters of a row-sharded optimizer are replicas, so every rank refuses,
-    nothing changed."""
+    file with every entry's ``step`` and ``v_step`` one lower (``"counters"``) or another ``lr``
+    (``"options"``), through torch's in-memory get/set_optimizer_state_dict (no header at this
+    level): the step, the codebook and the entries' counters of a row-sharded optimizer are
+    replicas, and the options every rank's step, so every rank refuses, nothing changed."""
     import copy
 
     from torch.distributed.checkpoint.state_dict import (
@@ -505,20 +505,24 @@ def scenario_stale_on_one_rank(rank: int, world_size: int, what: str) -> dict[st
     if rank == 1 and what == "counters":  # global step and codebook still rank 0's
         for entry in stale["state"].values():
             entry["step"], entry["v_step"] = entry["step"] - 1, entry["v_step"] - 1
+    if rank == 1 and what == "options":  # state all rank 0's, one option edited
+        stale["param_groups"][0]["lr"] = 0.02
     outcome = attempt(lambda: set_optimizer_state_dict(model, optimizer, stale), value=False)
     changes = snapshot_diff(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
     _train(model, optimizer, rank, range(3, 4))
     return {"outcome": outcome, "changes": changes, "step": optimizer.global_step}
 
 
-@pytest.mark.parametrize("what", ["file", "counters"])
+@pytest.mark.parametrize("what", ["file", "counters", "options"])
 def test_a_stale_state_on_one_rank_of_a_row_sharded_optimizer_fails_every_rank(what: str) -> None:
     # It was accepted: ranks then disagreed on the global step and the codebook, and the next
     # refresh ran its all-reduce on one rank only; with other entry counters, the two halves
-    # of each parameter were updated with different bias corrections.
+    # of each parameter were updated with different bias corrections; with another option, every
+    # step failed until a consistent load.
     scenarios = [("stale", scenario_stale_on_one_rank, (what,))]
     world = run_scenarios(scenarios, 2, rank_deadline_s=300.0)
+    subject = "group options" if what == "options" else "replicated state"
     for result in world["stale"]:
         assert result["changes"] == []
         assert result["step"] == 4
-        assert "replicated state differs" in result["outcome"]["error"]
+        assert f"{subject} differs across the process-group members" in result["outcome"]["error"]

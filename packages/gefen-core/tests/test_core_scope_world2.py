@@ -418,6 +418,21 @@ def scenario_option_edit(rank: int, world_size: int, cls: str) -> dict[str, Any]
     return result
 
 
+def scenario_options_reload(rank: int, world_size: int, cls: str) -> dict[str, Any]:
+    """Rank 1 reloads the current checkpoint with another ``lr``: the load header's
+    ``group_options`` word differs, so the load is refused on both ranks (it used to load, and
+    every step's header failed until a consistent load)."""
+    scoped = Scoped(rank, cls=cls)
+    scoped.train(range(2))
+    edited = copy.deepcopy(scoped.opt.state_dict())
+    if rank == 1:
+        for group in edited["param_groups"]:
+            group["lr"] = group["lr"] * 2
+    result = _rejected(scoped.opt, lambda: scoped.opt.load_state_dict(edited))
+    result["after"] = _steps(scoped)
+    return result
+
+
 def _same_entries(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if set(a) != set(b):
         return False
@@ -695,6 +710,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("codebook_edit", scenario_codebook_edit, ()),
     ("option_edit", scenario_option_edit, ("Gefen",)),
     ("option_edit_muon", scenario_option_edit, ("GefenMuon",)),
+    ("options_reload_Gefen", scenario_options_reload, ("Gefen",)),
+    ("options_reload_GefenMuon", scenario_options_reload, ("GefenMuon",)),
     ("load_while_stepping", scenario_load_while_stepping, ()),
     ("checkpoint_reload", scenario_checkpoint_codebook_reload, ()),
     ("checkpoint_binding", scenario_checkpoint_binding, ()),
@@ -927,6 +944,17 @@ def test_an_option_edited_on_one_rank_fails_the_next_header(world: ScenarioWorld
     # It used to pass unseen in the binding form: the ranks stepped with different lr and
     # their replicated parameters silently diverged.
     results = _both(world, "option_edit" if cls == "Gefen" else "option_edit_muon")
+    for result in results:
+        assert result["error"] == _header_error(cls, "group_options")
+    _fast_and_unchanged(*results)
+    _same_after(results, 3)
+
+
+@pytest.mark.parametrize("cls", ["Gefen", "GefenMuon"])
+def test_a_one_rank_reload_with_another_option_is_refused_at_the_load_header(
+    world: ScenarioWorld, cls: str
+) -> None:
+    results = _both(world, f"options_reload_{cls}")
     for result in results:
         assert result["error"] == _header_error(cls, "group_options")
     _fast_and_unchanged(*results)

@@ -202,23 +202,59 @@ def test_a_state_dict_handed_out_before_the_first_codebook_still_loads() -> None
     assert not optimizer.latched
 
 
-@pytest.mark.parametrize("kind", STALE_BUILDERS)
+def _child_refresh(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The hybrid's Gefen child refreshes its codebook itself (its own write, not the hybrid's)."""
+    (model(torch.randn(8, 16)).square().mean() * 1e4).backward()
+    assert optimizer.backup.refresh_codebook()
+    optimizer.zero_grad()
+
+
+def _failed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A hybrid step refused in its first child's read-only phase 4: nothing is written."""
+    muon = optimizer.muon
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("refused in phase 4")
+
+    muon._prepare_step = refuse
+    try:
+        with pytest.raises(RuntimeError, match="refused in phase 4"):
+            _train(model, optimizer, 1)
+    finally:
+        del muon._prepare_step
+    optimizer.zero_grad()
+    assert not optimizer.latched
+
+
+BETWEEN = {
+    "step": lambda model, optimizer: _train(model, optimizer, 1),
+    "child_refresh": _child_refresh,
+    "failed_step": _failed_step,
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "between"),
+    [(kind, "step") for kind in STALE_BUILDERS]
+    + [("hybrid", "child_refresh"), ("hybrid", "failed_step"), ("hybrid-adamw", "failed_step")],
+)
 @pytest.mark.parametrize("write", ["nan", "older_file"])
-def test_a_template_kept_across_a_step_is_still_read_as_written_in_place(
-    kind: str, write: str
+def test_a_template_kept_across_an_own_write_is_still_read_as_written_in_place(
+    kind: str, between: str, write: str
 ) -> None:
-    """A template handed out before a step and filled after it (``dcp.load`` into a template
-    kept from earlier) lost its note at the step: a NaN file was refused without a latch,
-    though it was in the live state already, and the next step trained on it (NaN parameters);
-    an older valid file was refused as stale. The step's own writes are renoted now: the NaN
-    file latches, and the older file loads, as a copy of it would."""
+    """A template handed out before a step (or, in the hybrid, a child's own refresh, or a step
+    refused before any write) and filled after it (``dcp.load`` into a template kept from
+    earlier) lost its note there: a NaN file was refused without a latch, though it was in the
+    live state already, and the next step trained on it (NaN parameters); an older valid file
+    was refused as stale. The optimizer's own writes are renoted now: the NaN file latches, and
+    the older file loads, as a copy of it would."""
     model = _model()
     optimizer = STALE_BUILDERS[kind](model)
     _train(model, optimizer, 2)
     older = copy.deepcopy(optimizer.state_dict())
     twin_model, twin = copy.deepcopy((model, optimizer))
     template = optimizer.state_dict()
-    _train(model, optimizer, 1)
+    BETWEEN[between](model, optimizer)
     if write == "nan":
         _a_live_scale(template).fill_(float("nan"))
         with pytest.raises(ValueError, match="must be finite"):
@@ -237,3 +273,32 @@ def test_a_template_kept_across_a_step_is_still_read_as_written_in_place(
     assert not optimizer.latched
     model.load_state_dict(twin_model.state_dict())
     _assert_continues_alike((model, optimizer), (twin_model, twin))
+
+
+@pytest.mark.parametrize("kind", ["gefen", "hybrid"])
+def test_after_an_in_place_refusal_a_stale_dict_is_still_refused(kind: str) -> None:
+    """Once a refused template written in place latched the optimizer, any dict sharing a
+    written tensor read as written in place, so a stale dict (kept across two steps, without a
+    copy) skipped the staleness rule and loaded: step-2 counts beside the refused file's
+    values. The refusal renotes the template's write; the stale dict is refused by name."""
+    model = _model()
+    optimizer = BUILDERS[kind](model)
+    _train(model, optimizer, 2)
+    kept = optimizer.state_dict()
+    _train(model, optimizer, 2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    template = optimizer.state_dict()
+    for value in template["state"].values():
+        for tensor in value.values():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                tensor.mul_(3.0)  # dcp.load of a file refused for its options
+    template["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        optimizer.load_state_dict(template)
+    assert optimizer.latched
+    with pytest.raises(ValueError, match="handed out by state_dict\\(\\) before its last step"):
+        optimizer.load_state_dict(kept)
+    assert optimizer.latched
+    optimizer.load_state_dict(saved)
+    _train(model, optimizer, 1)
+    assert all(torch.isfinite(param).all() for param in model.parameters())

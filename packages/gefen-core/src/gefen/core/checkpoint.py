@@ -109,12 +109,11 @@ class PreparedLoad:
 
     def agree(self, operation: GuardedOperation) -> None:
         """Symmetric checks on gathered data: with a codebook scope the load's header (the step,
-        codebook and replicated state it would publish, docs/dist.md §9.2), the rank-local
-        records (§10.3), then the pending entries' assembly (gefen.core.deferred)."""
+        codebook, replicated state and options it would publish, docs/dist.md §9.2), the
+        rank-local records (§10.3), then the pending entries' assembly (gefen.core.deferred)."""
         if operation.binding is not None:
-            words = load_header_payload(
-                self.optimizer, self.global_step, self.codebook, self.replica_words
-            )
+            published = (self.global_step, self.codebook, self.replica_words, self.param_groups)
+            words = load_header_payload(self.optimizer, *published)
             if words is not None:
                 operation.header(OP_LOAD, words, LOAD_HEADER_WORD_NAMES)
         if self.rank_local is not None and len(operation.scope) > 0:

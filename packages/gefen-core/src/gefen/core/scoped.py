@@ -9,7 +9,7 @@ caller publishes what these functions stage.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -156,14 +156,20 @@ def scope_header_payload(optimizer: ShellInterface) -> list[int] | None:
 
 
 def load_header_payload(
-    optimizer: ShellInterface, global_step: int, codebook: Tensor | None, replica: tuple[int, int]
+    optimizer: ShellInterface,
+    global_step: int,
+    codebook: Tensor | None,
+    replica: tuple[int, int],
+    groups: list[dict[str, Any]],
 ) -> list[int] | None:
-    """A staged load's header words (``LOAD_HEADER_WORD_NAMES``): the step and codebook it would
-    publish and its replicated-state words; None while no binding is installed."""
+    """A staged load's header words (``LOAD_HEADER_WORD_NAMES``): the step, codebook and
+    options (of ``groups``) it would publish and its replicated-state words; None while no
+    binding is installed."""
     finalized = optimizer.finalized
     if optimizer.binding is None or finalized is None:
         return None
-    return _header_words(optimizer, finalized, global_step, codebook, replica)
+    options = options_word(groups, empty_groups=True)  # as the step header's
+    return _header_words(optimizer, finalized, global_step, codebook, replica, options)
 
 
 def _header_words(

@@ -359,7 +359,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
         """Phase 5: publish, update, count, renote. Any failure latches (§7.4)."""
-        kept = self._handed_out and self.current_note()  # no call while none is handed out
+        kept = self.hand_out_note and self.current_note()  # no call while none is handed out
         self.publish_learning(learning)
         try:
             self._commit_step(plan)

@@ -12,14 +12,13 @@ templates never touch a private flag of anything else.
 from __future__ import annotations
 
 import inspect
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ClassVar, Protocol, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from gefen.core.checked import options_word
-from gefen.core.validation import local_tensor
+from gefen.core.handout import HandOutNotes
 from gefen.dist import (
     PHASE_LOAD_VALIDATION,
     PHASE_STEP_PREFLIGHT,
@@ -34,10 +33,7 @@ from gefen.dist.torch_internals import (
     set_grad_enabled,
     step_post_hooks,
     step_pre_hooks,
-    tensor_version,
 )
-
-_Dict = TypeVar("_Dict")
 
 __all__ = [
     "IN_PLACE_REFUSAL",
@@ -53,10 +49,7 @@ __all__ = [
 ]
 
 
-_HandOutRecord = tuple[int, dict[int, tuple["weakref.ref[torch.Tensor]", int]]]
-
-
-class HookedStepState:
+class HookedStepState(HandOutNotes):
     """Mixin for optimizers whose ``step`` fires the hooks itself (docs/core.md §2.4).
 
     Every ``step`` override is marked ``hooked`` so torch's ``_patch_step_function`` never wraps
@@ -67,114 +60,11 @@ class HookedStepState:
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = HOOK_REGISTRIES
     OWNER_NAME: ClassVar[str]
     _commit_failed: bool | str = False  # the latch: True after a failed commit, or a reason
-    # hand_out's record: the commit count it is good for, and by storage address the live
-    # tensor handed out with its in-place version then
-    _handed_out: _HandOutRecord | None = None
-    _commits = 0  # the optimizer's own writes of its live state (note_commit)
-
-    def note_commit(self) -> _HandOutRecord | None:
-        """The optimizer itself is about to write its live state (a load's commit, a codebook
-        publication): the note ``hand_out`` made is taken off (a load may set the global step
-        back, so its count could come round again) and returned where it covered the live state,
-        for ``renote`` once the write is done."""
-        covered = self.current_note()
-        self._commits += 1
-        self._handed_out = None
-        return covered
-
-    def current_note(self) -> _HandOutRecord | None:
-        """``hand_out``'s note where it covers the live state as it is (no own write since)."""
-        record = self._handed_out
-        return record if record is not None and record[0] == self.commit_count else None
-
-    def renote(self, record: _HandOutRecord | None) -> None:
-        """After an own write of the live state that ``record`` covered (a step's commit, a
-        load's, a codebook refresh remapping the codes): note the still-live tensors it holds
-        as they are now, so that write is not read as a foreign one (``written_in_place``) and
-        a template kept across it is still vouched for."""
-        if record is None:
-            return
-        live_state = list(cast(Any, self).state.values())  # torch's, or the hybrid's view
-        live = {tensor.untyped_storage().data_ptr() for tensor in _tensors(live_state)}
-        noted = {}
-        for address, (ref, _) in record[1].items():
-            tensor = ref()
-            if tensor is not None and address in live:
-                noted[address] = (ref, tensor_version(tensor))
-        self._handed_out = (self.commit_count, noted)
-
-    @property
-    def commit_count(self) -> int:
-        """How many times the optimizer has written its live state itself: ``note_commit``'s
-        count, plus what a subclass counts anyway (the shell its global step, so a step's
-        commit costs nothing here)."""
-        return self._commits
 
     @property
     def latched(self) -> bool:
         """Whether a commit failed part-way or a refused load wrote the state; a load clears it."""
         return bool(self._commit_failed)
-
-    def hand_out(self, state_dict: _Dict) -> _Dict:
-        """Note the in-place version of each live state tensor ``state_dict`` shares, as it was
-        when first handed out (a DCP load asks again after it wrote the file into its template);
-        the optimizer's own writes renote it, and ``written_in_place`` compares at a load."""
-        record = self.current_note()
-        if record is None:
-            record = self._handed_out = (self.commit_count, {})
-        shared = {tensor.untyped_storage().data_ptr() for tensor in _tensors(state_dict)}
-        live_state = list(cast(Any, self).state.values())  # torch's, or the hybrid's view
-        for tensor in _tensors(live_state):
-            address = tensor.untyped_storage().data_ptr()
-            if address in shared and address not in record[1]:
-                record[1][address] = (weakref.ref(tensor), tensor_version(tensor))
-        return state_dict
-
-    def written_in_place(self, incoming: object) -> bool:
-        """Whether a live state tensor that ``incoming`` shares was written after it was handed
-        out by ``state_dict()`` (and not by the optimizer): then the load's input is in it."""
-        record = self.current_note()
-        if record is None:
-            return False
-        for tensor in _tensors(incoming):
-            noted = record[1].get(tensor.untyped_storage().data_ptr())
-            if noted is not None:
-                live = noted[0]()
-                if live is not None and tensor_version(live) != noted[1]:
-                    return True
-        return False
-
-    def check_not_stale(self, incoming: object) -> None:
-        """Raise ``ValueError`` when an entry of ``incoming`` holds a live state tensor but
-        another ``step`` count than the live entry, or a learned codebook of ``incoming`` is not
-        the live one (``saved_codebooks``; a refresh remaps codes in place): ``state_dict()``
-        handed it out before a step or refresh, the tensor has moved on since and the rest has
-        not, so loading it would mix the two (a rollback must copy). Read by content, whatever
-        was handed out since;
-        ``run_load`` skips it for a dict written in place since its hand-out (a DCP template
-        filled with a file holds the file's counts beside the file's values)."""
-        live_entries: dict[int, Mapping[str, Any]] = {}
-        for entry in cast(Any, self).state.values():
-            if isinstance(entry, Mapping):
-                for tensor in _tensors(entry):
-                    live_entries[tensor.untyped_storage().data_ptr()] = entry
-        state = incoming.get("state") if isinstance(incoming, Mapping) else None
-        aliased = False
-        for entry in state.values() if isinstance(state, Mapping) and live_entries else ():
-            for tensor in _tensors(entry):
-                live = live_entries.get(tensor.untyped_storage().data_ptr())
-                aliased = aliased or live is not None
-                if live is not None and not _same_count(entry.get("step"), live.get("step")):
-                    raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
-        # A refresh remaps the live codes in place and moves no step count: the codebook tells.
-        pairs = self.saved_codebooks(incoming) if aliased else ()
-        if any(not _same_codebook(saved, live) for saved, live in pairs):
-            raise ValueError(f"{self.OWNER_NAME} checkpoint: {STALE_STATE_DICT}")
-
-    def saved_codebooks(self, incoming: object) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """Each learned codebook ``incoming`` holds, beside the live one it stands for (for
-        ``check_not_stale``); none by default."""
-        return ()
 
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
@@ -225,6 +115,8 @@ class StepParticipant(Protocol):
 class PreparedLoadLike(Protocol):
     @property
     def replica_words(self) -> tuple[int, int]: ...
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
     def agree(self, operation: GuardedOperation) -> None: ...
     def commit(self) -> None: ...
     def run_post_hooks(self) -> None: ...
@@ -235,6 +127,7 @@ class LoadParticipant(Protocol):
     def check_not_stale(self, incoming: object) -> None: ...
     def written_in_place(self, incoming: object) -> bool: ...
     def note_commit(self) -> Any: ...
+    def current_note(self) -> Any: ...
     def renote(self, record: Any) -> None: ...
     def latch(self, reason: str) -> None: ...
 
@@ -244,46 +137,6 @@ IN_PLACE_REFUSAL = (
     "those of this optimizer's own state_dict(), as in a DCP load template that dcp.load fills "
     "in place); load a valid checkpoint with load_state_dict to continue"
 )
-
-STALE_STATE_DICT = (
-    "this state dict holds the optimizer's live state tensors, handed out by state_dict() before "
-    "its last step (or codebook refresh): they have moved on since, its step counts (or codebook) "
-    "have not, and loading it would mix the two (copy.deepcopy a state_dict() kept for a "
-    "rollback, or save it to a file)"
-)
-
-
-def _same_codebook(saved: torch.Tensor, live: torch.Tensor) -> bool:
-    """Whether ``saved`` (a format-2 slot may be longer) begins with the values of ``live``."""
-    values = local_tensor(saved).detach().flatten()
-    if values.numel() < live.numel() or values.dtype != live.dtype:
-        return False
-    return torch.equal(values[: live.numel()].to(live.device), live.flatten())
-
-
-def _same_count(saved: object, live: object) -> bool:
-    """Whether an entry's ``step`` is the live one's: the same object (AdamW's aliased step
-    tensor) or an equal int."""
-    return saved is live or (type(saved) is int and type(live) is int and saved == live)
-
-
-def _has_storage(tensor: torch.Tensor) -> bool:
-    """Strided, with data (a sparse or meta tensor has no storage to compare)."""
-    return tensor.layout == torch.strided and tensor.device.type != "meta" and tensor.numel() > 0
-
-
-def _tensors(value: object) -> Iterator[torch.Tensor]:
-    """Every local tensor with a storage in a nest of dicts, lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        local = local_tensor(value)
-        if _has_storage(local):
-            yield local
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 def amp_controls_present(optimizer: object) -> bool:
@@ -424,8 +277,9 @@ def run_load(
     A refused load changes nothing, unless ``incoming`` (the state dict) holds live state
     tensors written since ``state_dict()`` handed them out (``dcp.load`` fills its template in
     place): the optimizer holds the refused values already, so the refusal latches it
-    (``IN_PLACE_REFUSAL``) rather than let it train on them. The optimizer's own writes since
-    the hand-out (steps, loads) are renoted, so they count as none of these."""
+    (``IN_PLACE_REFUSAL``) rather than let it train on them, and renotes it (a stale dict
+    loaded next is no template written in place). The optimizer's own writes since the
+    hand-out (steps, loads, codebook publications) are renoted, so they count as none."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
             return run_load(optimizer, prepare, incoming)
@@ -442,7 +296,7 @@ def run_load(
         if op.scope and op.binding is None:
             # One stale file on one rank must not load: replicated state is compared in the vote.
             prepared = op.local_agreeing(
-                PHASE_LOAD_VALIDATION, "replicated state", lambda: _with_replica_words(checked())
+                PHASE_LOAD_VALIDATION, LOAD_AGREEMENT, lambda: _with_load_words(checked())
             )
         else:
             prepared = op.local(PHASE_LOAD_VALIDATION, checked)
@@ -450,6 +304,7 @@ def run_load(
     except BaseException:
         if in_place:
             optimizer.latch(IN_PLACE_REFUSAL)
+            optimizer.renote(optimizer.current_note())  # a later load reads writes after it
         raise
     kept = optimizer.note_commit()
     prepared.commit()
@@ -457,8 +312,14 @@ def run_load(
     prepared.run_post_hooks()
 
 
-def _with_replica_words(prepared: PreparedLoadLike) -> tuple[PreparedLoadLike, tuple[int, int]]:
-    return prepared, prepared.replica_words
+LOAD_AGREEMENT = ("replicated state", "group options")
+"""What the load vote agrees on, one subject per word: the replicated state's digest
+(``gefen.core.replicas``), and the options the load would publish, which the next step's vote
+would refuse if they differed (docs/dist.md §5)."""
+
+
+def _with_load_words(prepared: PreparedLoadLike) -> tuple[PreparedLoadLike, tuple[int, int]]:
+    return prepared, (prepared.replica_words[0], options_word(prepared.param_groups))
 
 
 def copy_containers(value: Any) -> Any:

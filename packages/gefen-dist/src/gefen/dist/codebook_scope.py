@@ -64,12 +64,13 @@ HEADER_WORD_NAMES: tuple[str, ...] = (
 )
 assert len(HEADER_WORD_NAMES) == HEADER_PAYLOAD_WORDS
 
-# A load's header: the loaded step and codebook in the same words, and in words 21-22 the digest
-# of the state every member must hold identically (``gefen.core.replicas``).
+# A load's header: the loaded step and codebook in the same words, in words 21-22 the digest of
+# the state every member must hold identically (``gefen.core.replicas``), and in word 23 the
+# options of the groups it would publish.
 LOAD_HEADER_WORD_NAMES: tuple[str, ...] = (
     *HEADER_WORD_NAMES[:18],
     *(("replicated_state",) * 2),
-    "reserved",
+    "group_options",
 )
 assert len(LOAD_HEADER_WORD_NAMES) == HEADER_PAYLOAD_WORDS
 

@@ -33,7 +33,7 @@ T = TypeVar("T")
 HEADER_WORDS = 24
 HEADER_PAYLOAD_WORDS = 21
 HEADER_MAGIC = int.from_bytes(b"GFNHDR01", "big", signed=True)
-HEADER_VERSION = 2  # 2: payload words 21-22 carry the gradient presence
+HEADER_VERSION = 3  # 2: words 21-22 carry the gradient presence; 3: a load's word 23 its options
 _RESERVED = "reserved"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 

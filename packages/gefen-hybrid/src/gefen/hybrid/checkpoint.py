@@ -57,6 +57,12 @@ class PreparedHybridLoad:
         digest = hashlib.blake2b(repr(words).encode(), digest_size=7).digest()
         return int.from_bytes(digest, "big"), sum(count for _, count in words)
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The groups the load would publish, Muon's first (the hybrid's order)."""
+        children = (self.muon, self.backup)
+        return [group for child in children if child is not None for group in child.param_groups]
+
     def agree(self, operation: GuardedOperation) -> None:
         """With a codebook scope the child-presence header first (as a step's), then each
         child's agreement (its load header, its rank-local records)."""

@@ -37,10 +37,7 @@ from gefen.dist import (
 from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
 from gefen.dist.torch_internals import HOOK_REGISTRIES, fresh_hook_registries, state_dict_with_hooks
 from gefen.hybrid.adamw_participant import AdamWParticipant, ChildParticipant, PreparedChildLoad
-from gefen.hybrid.checkpoint import (
-    build_hybrid_state_dict,
-    prepare_hybrid_load,
-)
+from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
 from gefen.hybrid.composite import child_presence_mask
 from gefen.hybrid.construction import (
     HybridConfig,
@@ -188,6 +185,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         for role, child in self._roles():
             groups = tuple(tuple(group["params"]) for group in child.param_groups)
             snapshots.append((role, child, groups))
+            if isinstance(child, HookedStepState):
+                child.hand_out_within(self)  # one note, the hybrid's: its dict holds theirs
             for group in groups:
                 for param in group:
                     owners[param] = child
@@ -443,13 +442,13 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         hybrid; one in the first child's read-only phase 4 leaves it as it was."""
         op = operation if operation is not None else self.guarded_operation()
         done, kept = 0, self.current_note()  # kept: what state_dict() handed out, if current
-        self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
         try:
             with torch.no_grad():
                 for _, participant in self._participants:
                     with self.numbering(done):
                         participant.apply_prepared_step(operation=op)
                     done += 1
+            self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
             self.renote(kept)  # the children's writes are the hybrid's own, no foreign ones
         except BaseException:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit
