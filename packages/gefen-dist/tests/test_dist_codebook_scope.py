@@ -30,6 +30,7 @@ from gefen.dist import (
 )
 from gefen.dist.codebook_scope import (
     HEADER_WORD_NAMES,
+    LOAD_HEADER_WORD_NAMES,
     OP_INITIALIZE,
     OP_REFRESH,
     OP_STEP,
@@ -150,6 +151,11 @@ def test_header_word_names_label_every_payload_word() -> None:
     assert HEADER_WORD_NAMES[10:14] == ("manifest_fingerprint",) * 4
     assert HEADER_WORD_NAMES[14:18] == ("codebook_fingerprint",) * 4
     assert HEADER_WORD_NAMES[18:] == ("gradient_presence", "gradient_presence", "group_options")
+
+
+def test_load_header_word_names_carry_the_replicated_state_and_the_options() -> None:
+    assert LOAD_HEADER_WORD_NAMES[:18] == HEADER_WORD_NAMES[:18]
+    assert LOAD_HEADER_WORD_NAMES[18:] == ("replicated_state", "replicated_state", "group_options")
 
 
 def test_payload_layout_follows_the_table() -> None:

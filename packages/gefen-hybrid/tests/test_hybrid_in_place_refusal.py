@@ -226,9 +226,17 @@ def _failed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> No
     assert not optimizer.latched
 
 
+def _child_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The hybrid's Muon child steps by itself (its own write, outside the hybrid's step)."""
+    model(torch.randn(8, 16)).square().mean().backward()
+    optimizer.muon.step()
+    optimizer.zero_grad()
+
+
 BETWEEN = {
     "step": lambda model, optimizer: _train(model, optimizer, 1),
     "child_refresh": _child_refresh,
+    "child_step": _child_step,
     "failed_step": _failed_step,
 }
 
@@ -236,14 +244,15 @@ BETWEEN = {
 @pytest.mark.parametrize(
     ("kind", "between"),
     [(kind, "step") for kind in STALE_BUILDERS]
-    + [("hybrid", "child_refresh"), ("hybrid", "failed_step"), ("hybrid-adamw", "failed_step")],
+    + [("hybrid", "child_refresh"), ("hybrid", "child_step")]
+    + [("hybrid", "failed_step"), ("hybrid-adamw", "failed_step")],
 )
 @pytest.mark.parametrize("write", ["nan", "older_file"])
 def test_a_template_kept_across_an_own_write_is_still_read_as_written_in_place(
     kind: str, between: str, write: str
 ) -> None:
-    """A template handed out before a step (or, in the hybrid, a child's own refresh, or a step
-    refused before any write) and filled after it (``dcp.load`` into a template kept from
+    """A template handed out before a step (or, in the hybrid, a child's own refresh or step, or
+    a step refused before any write) and filled after it (``dcp.load`` into a template kept from
     earlier) lost its note there: a NaN file was refused without a latch, though it was in the
     live state already, and the next step trained on it (NaN parameters); an older valid file
     was refused as stale. The optimizer's own writes are renoted now: the NaN file latches, and
@@ -280,7 +289,8 @@ def test_after_an_in_place_refusal_a_stale_dict_is_still_refused(kind: str) -> N
     """Once a refused template written in place latched the optimizer, any dict sharing a
     written tensor read as written in place, so a stale dict (kept across two steps, without a
     copy) skipped the staleness rule and loaded: step-2 counts beside the refused file's
-    values. The refusal renotes the template's write; the stale dict is refused by name."""
+    values. The refusal renotes the template's write, so the stale dict is no template written
+    in place: it is refused (it shares the tensors holding the refused values)."""
     model = _model()
     optimizer = BUILDERS[kind](model)
     _train(model, optimizer, 2)
@@ -296,8 +306,45 @@ def test_after_an_in_place_refusal_a_stale_dict_is_still_refused(kind: str) -> N
     with pytest.raises(ValueError, match="Invalid learning rate"):
         optimizer.load_state_dict(template)
     assert optimizer.latched
-    with pytest.raises(ValueError, match="handed out by state_dict\\(\\) before its last step"):
+    with pytest.raises(ValueError, match="which hold a refused load's values"):
         optimizer.load_state_dict(kept)
+    assert optimizer.latched
+    optimizer.load_state_dict(saved)
+    _train(model, optimizer, 1)
+    assert all(torch.isfinite(param).all() for param in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["gefen", "hybrid"])
+@pytest.mark.parametrize("retry", ["own_state_dict", "same_template"])
+def test_while_latched_by_an_in_place_refusal_a_dict_of_the_refused_values_is_refused(
+    kind: str, retry: str
+) -> None:
+    """After a refused load written in place latched the optimizer, ``load_state_dict`` of its
+    own ``state_dict()`` loaded the refused values and cleared the latch; the same template
+    loaded again was refused as stale, a misleading reason. Both hold the refused values and
+    were not filled again: refused by that rule, still latched; a valid copy loads."""
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    model = _model()
+    optimizer = BUILDERS[kind](model)
+    _train(model, optimizer, 2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    template = optimizer.state_dict()
+    _train(model, optimizer, 1)  # the template is kept across a step: its counts are older
+    for value in template["state"].values():
+        for tensor in value.values():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                tensor.mul_(3.0)  # dcp.load of a file refused for its options
+    template["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        optimizer.load_state_dict(template)
+    assert optimizer.latched
+    template["param_groups"][0]["lr"] = saved["param_groups"][0]["lr"]
+    again = optimizer.state_dict() if retry == "own_state_dict" else template
+    before = deep_snapshot(optimizer)
+    with pytest.raises(ValueError, match="which hold a refused load's values"):
+        optimizer.load_state_dict(again)
+    assert snapshot_diff(before, deep_snapshot(optimizer)) == []
     assert optimizer.latched
     optimizer.load_state_dict(saved)
     _train(model, optimizer, 1)

@@ -51,6 +51,7 @@ class HandOutNotes:
     hand_out_note: HandOutRecord | None = None  # the note (kept by the composite, if any)
     _commits = 0  # the optimizer's own writes of its live state (note_commit)
     _composite: weakref.ref[HandOutNotes] | None = None  # keeps this one's note (hand_out_within)
+    writing_children = False  # a composite's own step is writing its children: it renotes after
 
     @property
     def commit_count(self) -> int:
@@ -61,7 +62,8 @@ class HandOutNotes:
 
     def hand_out_within(self, composite: HandOutNotes) -> None:
         """``composite`` (the hybrid) hands out this optimizer's live state as part of its own:
-        it keeps the note, and this optimizer's own writes renote it there."""
+        it keeps the note, and this optimizer's own writes (a step of its own too) renote it
+        there."""
         self._composite = weakref.ref(composite)
         self.hand_out_note = None
 
@@ -70,9 +72,12 @@ class HandOutNotes:
         return composite if composite is not None else self
 
     def current_note(self) -> HandOutRecord | None:
-        """The note where it covers the live state as it is (no own write since unnoted)."""
+        """The note where it covers the live state as it is (no own write since unnoted); None
+        for a child while its composite's step writes it (the composite renotes once, after)."""
         keeper = self._note_keeper()
         record = keeper.hand_out_note
+        if keeper is not self and keeper.writing_children:
+            return None
         return record if record is not None and record[0] == keeper.commit_count else None
 
     def note_commit(self) -> HandOutRecord | None:
@@ -112,6 +117,11 @@ class HandOutNotes:
             if address in shared and address not in record[1]:
                 record[1][address] = (weakref.ref(tensor), tensor_version(tensor))
         return state_dict
+
+    def shares_live_state(self, incoming: object) -> bool:
+        """Whether ``incoming`` holds one of the optimizer's live state tensors itself."""
+        live = {t.untyped_storage().data_ptr() for t in live_tensors(list(self._live_state()))}
+        return any(t.untyped_storage().data_ptr() in live for t in live_tensors(incoming))
 
     def written_in_place(self, incoming: object) -> bool:
         """Whether a live state tensor that ``incoming`` shares was written after it was handed

@@ -178,7 +178,7 @@ def _header_words(
     global_step: int,
     codebook: Tensor | None,
     agreement: tuple[int, int],
-    options: int = 0,
+    options: int,
 ) -> list[int]:
     digest = None if codebook is None else codebook_fingerprint_of(codebook)
     return list(

@@ -359,7 +359,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
         """Phase 5: publish, update, count, renote. Any failure latches (§7.4)."""
-        kept = self.hand_out_note and self.current_note()  # no call while none is handed out
+        # no call while nothing is handed out; a hybrid's child renotes its hybrid's note
+        kept = (self.hand_out_note or self._composite) and self.current_note()
         self.publish_learning(learning)
         try:
             self._commit_step(plan)

@@ -37,6 +37,7 @@ from gefen.dist.torch_internals import (
 
 __all__ = [
     "IN_PLACE_REFUSAL",
+    "REFUSED_VALUES",
     "STEP_SIGNATURE",
     "HookedStepState",
     "LoadParticipant",
@@ -65,6 +66,11 @@ class HookedStepState(HandOutNotes):
     def latched(self) -> bool:
         """Whether a commit failed part-way or a refused load wrote the state; a load clears it."""
         return bool(self._commit_failed)
+
+    @property
+    def holds_refused_load(self) -> bool:
+        """Whether a refused load written in place latched it (its live state holds the values)."""
+        return self._commit_failed == IN_PLACE_REFUSAL
 
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
@@ -123,9 +129,14 @@ class PreparedLoadLike(Protocol):
 
 
 class LoadParticipant(Protocol):
+    OWNER_NAME: ClassVar[str]
+
+    @property
+    def holds_refused_load(self) -> bool: ...
     def guarded_operation(self) -> GuardedOperation: ...
     def check_not_stale(self, incoming: object) -> None: ...
     def written_in_place(self, incoming: object) -> bool: ...
+    def shares_live_state(self, incoming: object) -> bool: ...
     def note_commit(self) -> Any: ...
     def current_note(self) -> Any: ...
     def renote(self, record: Any) -> None: ...
@@ -136,6 +147,12 @@ IN_PLACE_REFUSAL = (
     "a refused load had already been written into this optimizer's live state (its tensors were "
     "those of this optimizer's own state_dict(), as in a DCP load template that dcp.load fills "
     "in place); load a valid checkpoint with load_state_dict to continue"
+)
+
+REFUSED_VALUES = (
+    "this state dict shares the optimizer's live state tensors, which hold a refused load's "
+    "values (the optimizer is latched), and it was not filled again since; fill it again "
+    "(dcp.load), or load a copy or a file"
 )
 
 
@@ -278,16 +295,21 @@ def run_load(
     tensors written since ``state_dict()`` handed them out (``dcp.load`` fills its template in
     place): the optimizer holds the refused values already, so the refusal latches it
     (``IN_PLACE_REFUSAL``) rather than let it train on them, and renotes it (a stale dict
-    loaded next is no template written in place). The optimizer's own writes since the
-    hand-out (steps, loads, codebook publications) are renoted, so they count as none."""
+    loaded next is no template written in place). While so latched, a dict that shares the live
+    tensors without being filled again holds the refused values: refused (``REFUSED_VALUES``).
+    The optimizer's own writes since the hand-out (steps, loads, codebook publications) are
+    renoted, so they count as none."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
             return run_load(optimizer, prepare, incoming)
     in_place = incoming is not None and optimizer.written_in_place(incoming)
+    refused_values = not in_place and optimizer.holds_refused_load
     op = optimizer.guarded_operation()
 
     def checked() -> PreparedLoadLike:
-        prepared = prepare()  # its own refusals first: the staleness is the last rule
+        prepared = prepare()  # its own refusals first: these rules are the last
+        if refused_values and optimizer.shares_live_state(incoming):
+            raise ValueError(f"{optimizer.OWNER_NAME} checkpoint: {REFUSED_VALUES}")
         if not in_place:  # a DCP template filled in place holds the file's counts, not stale
             optimizer.check_not_stale(incoming)
         return prepared

@@ -96,12 +96,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     OWNER_NAME: ClassVar[str] = "GefenMuonHybrid"
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
-        "muon",
-        "backup",
-        "backup_optimizer",
-        "_check_finite",
-        "_commit_failed",
-        "_config",
+        *("muon", "backup", "backup_optimizer", "_check_finite", "_commit_failed", "_config"),
         *HOOK_REGISTRIES,
     )
 
@@ -442,6 +437,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         hybrid; one in the first child's read-only phase 4 leaves it as it was."""
         op = operation if operation is not None else self.guarded_operation()
         done, kept = 0, self.current_note()  # kept: what state_dict() handed out, if current
+        self.writing_children = True  # they leave the note to this step's one renote
         try:
             with torch.no_grad():
                 for _, participant in self._participants:
@@ -449,12 +445,14 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                         participant.apply_prepared_step(operation=op)
                     done += 1
             self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
-            self.renote(kept)  # the children's writes are the hybrid's own, no foreign ones
         except BaseException:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit
             if done > 0 or getattr(self._participants[done][1], "latched", True):
                 self._commit_failed = True
             raise
+        finally:
+            self.writing_children = False
+        self.renote(kept)  # the children's writes are the hybrid's own, no foreign ones
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # step(closure=None)
         """One transactional step over both children; returns the closure's loss or None."""
