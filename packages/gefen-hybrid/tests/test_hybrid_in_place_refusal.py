@@ -284,6 +284,19 @@ def test_a_template_kept_across_an_own_write_is_still_read_as_written_in_place(
     _assert_continues_alike((model, optimizer), (twin_model, twin))
 
 
+def _latch_by_a_refused_fill(optimizer: torch.optim.Optimizer, template: dict) -> None:
+    """Fill ``template`` in place as ``dcp.load`` of a file refused for its options would, and
+    load it: refused, and the optimizer latches (its live state holds the refused values)."""
+    for value in template["state"].values():
+        for tensor in value.values():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                tensor.mul_(3.0)
+    template["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        optimizer.load_state_dict(template)
+    assert optimizer.latched
+
+
 @pytest.mark.parametrize("kind", ["gefen", "hybrid"])
 def test_after_an_in_place_refusal_a_stale_dict_is_still_refused(kind: str) -> None:
     """Once a refused template written in place latched the optimizer, any dict sharing a
@@ -298,14 +311,7 @@ def test_after_an_in_place_refusal_a_stale_dict_is_still_refused(kind: str) -> N
     _train(model, optimizer, 2)
     saved = copy.deepcopy(optimizer.state_dict())
     template = optimizer.state_dict()
-    for value in template["state"].values():
-        for tensor in value.values():
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                tensor.mul_(3.0)  # dcp.load of a file refused for its options
-    template["param_groups"][0]["lr"] = -1.0
-    with pytest.raises(ValueError, match="Invalid learning rate"):
-        optimizer.load_state_dict(template)
-    assert optimizer.latched
+    _latch_by_a_refused_fill(optimizer, template)
     with pytest.raises(ValueError, match="which hold a refused load's values"):
         optimizer.load_state_dict(kept)
     assert optimizer.latched
@@ -331,14 +337,7 @@ def test_while_latched_by_an_in_place_refusal_a_dict_of_the_refused_values_is_re
     saved = copy.deepcopy(optimizer.state_dict())
     template = optimizer.state_dict()
     _train(model, optimizer, 1)  # the template is kept across a step: its counts are older
-    for value in template["state"].values():
-        for tensor in value.values():
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                tensor.mul_(3.0)  # dcp.load of a file refused for its options
-    template["param_groups"][0]["lr"] = -1.0
-    with pytest.raises(ValueError, match="Invalid learning rate"):
-        optimizer.load_state_dict(template)
-    assert optimizer.latched
+    _latch_by_a_refused_fill(optimizer, template)
     template["param_groups"][0]["lr"] = saved["param_groups"][0]["lr"]
     again = optimizer.state_dict() if retry == "own_state_dict" else template
     before = deep_snapshot(optimizer)
