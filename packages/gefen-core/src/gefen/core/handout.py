@@ -120,7 +120,7 @@ class HandOutNotes:
 
     def shares_live_state(self, incoming: object) -> bool:
         """Whether ``incoming`` holds one of the optimizer's live state tensors itself."""
-        live = {t.untyped_storage().data_ptr() for t in live_tensors(list(self._live_state()))}
+        live = self._live_addresses()
         return any(t.untyped_storage().data_ptr() in live for t in live_tensors(incoming))
 
     def written_in_place(self, incoming: object) -> bool:
@@ -129,7 +129,7 @@ class HandOutNotes:
         record = self.current_note()
         if record is None:
             return False
-        live = {t.untyped_storage().data_ptr() for t in live_tensors(list(self._live_state()))}
+        live = self._live_addresses()
         for tensor in live_tensors(incoming):
             address = tensor.untyped_storage().data_ptr()
             noted = record[1].get(address) if address in live else None
@@ -142,6 +142,10 @@ class HandOutNotes:
     def _live_state(self) -> Iterable[object]:
         state: Mapping[object, object] = cast(Any, self).state  # torch's, or the hybrid's view
         return state.values()
+
+    def _live_addresses(self) -> set[int]:
+        """The storage address of every live state tensor."""
+        return {t.untyped_storage().data_ptr() for t in live_tensors(list(self._live_state()))}
 
     def check_not_stale(self, incoming: object) -> None:
         """Raise ``ValueError`` when an entry of ``incoming`` holds a live state tensor but
