@@ -342,6 +342,91 @@ def test_a_repeated_parameter_name_is_refused_in_every_form(backend: str) -> Non
     _steps(hybrid, model, 1)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_matrix_sent_to_muon_is_refused_naming_the_parameter(backend: str) -> None:
+    # GefenMuon's own refusal names only a size: the caller could not tell which parameter of
+    # which group (or list) it meant, nor where that parameter belongs.
+    model = _model()
+    hidden, rest = _split(model)
+    conv = nn.Parameter(torch.randn(6, 4, 3, 3))
+    flagged = [{"params": [*hidden, conv], "param_names": ["hidden.weight", "conv"],
+                "use_muon": True}]  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(
+        "param group 0: use_muon=True, but its params[1] ('conv') has size (6, 4, 3, 3): "
+        "GefenMuon steps only 2-D matrices (give it a group with use_muon=False)"
+    )):  # fmt: skip
+        GefenMuonHybrid(flagged, backup_optimizer=backend, **FAST)
+    with pytest.raises(ValueError, match=re.escape(
+        "parameter 'conv' in the muon list has size (6, 4, 3, 3): GefenMuon steps only 2-D "
+        "matrices (put it in the backup list)"
+    )):  # fmt: skip
+        GefenMuonHybrid([("conv", conv)], [("bias", rest[0])], backup_optimizer=backend, **FAST)
+    hybrid = GefenMuonHybrid(model, lr=0.01, backup_optimizer=backend, **FAST)
+    _steps(hybrid, model, 1)
+    _rejected(
+        hybrid,
+        lambda: hybrid.add_param_group(
+            {"params": [conv], "param_names": ["conv"], "use_muon": True}
+        ),
+        ValueError,
+        "param group 2: use_muon=True, but its params[0] ('conv') has size (6, 4, 3, 3)",
+    )
+    hybrid.add_param_group({"params": [conv], "param_names": ["conv"], "use_muon": False})
+    _steps(hybrid, model, 1)
+    assert hybrid.owner_of(conv) is hybrid.backup
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_complex_backup_parameter_is_refused_at_registration_in_the_hybrids_numbering(
+    backend: str,
+) -> None:
+    # The AdamW backup took one (torch's AdamW does), then refused every step and its own
+    # state_dict; the Gefen backup refused it, but under the backup's own group number.
+    model = _model()
+    hidden, _ = _split(model)
+    complex_param = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    rule = (
+        "parameter param_groups[1][0]: complex parameters are not supported (got torch.complex64)"
+    )
+    groups = [{"params": hidden, "use_muon": True}, {"params": [complex_param], "use_muon": False}]
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        GefenMuonHybrid(groups, backup_optimizer=backend, **FAST)
+    hybrid = GefenMuonHybrid(groups[:1], lr=0.01, backup_optimizer=backend, **FAST)
+    _rejected(hybrid, lambda: hybrid.add_param_group(groups[1]), ValueError, rule)
+    assert hybrid.backup is None
+    _steps(hybrid, model, 1)
+
+
+@pytest.mark.parametrize("betas", [(0.9,), 0.9], ids=["one", "float"])
+def test_an_adamw_backup_refuses_betas_that_are_no_pair_by_name(betas: Any) -> None:
+    # torch's AdamW indexed them first: an IndexError or "'float' object is not subscriptable".
+    with pytest.raises(ValueError, match=re.escape(f"betas must be a pair, got {betas!r}")):
+        GefenMuonHybrid(_model(), backup_optimizer="adamw", betas=betas, **FAST)
+
+
+def test_an_adamw_backup_step_error_says_which_of_the_hybrids_groups_it_is() -> None:
+    # The preflight named only the backup's own number: its group 1 was the hybrid's
+    # param_groups[2] (the Muon child's groups come first), and param_groups[1] another group.
+    model = _model()
+    hybrid = GefenMuonHybrid(
+        model, lr=0.01, backup_optimizer="adamw", no_decay_substrings=("bias",), **FAST
+    )
+    assert len(hybrid.param_groups) == 3
+    _steps(hybrid, model, 1)
+    hybrid.param_groups[2]["eps"] = 0.0
+    hybrid.zero_grad()
+    model(torch.arange(6) % 16).square().mean().backward()
+    _rejected(
+        hybrid,
+        hybrid.step,
+        ValueError,
+        "AdamW backup group 1: eps must be finite and > 0, got 0.0 (AdamW backup group 1 is the "
+        "hybrid's param_groups[2])",
+    )
+    hybrid.param_groups[2]["eps"] = 1e-8
+    _steps(hybrid, model, 1)
+
+
 def test_a_group_form_adamw_backup_refuses_a_group_its_step_would_refuse() -> None:
     model = _model()
     hidden, rest = _split(model)

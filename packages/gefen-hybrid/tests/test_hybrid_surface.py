@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import OneCycleLR, StepLR
+from torch.optim.lr_scheduler import LambdaLR, OneCycleLR, ReduceLROnPlateau, StepLR
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -368,6 +368,34 @@ def test_step_lr_scales_both_halves_and_keeps_the_ratio(
     scheduler.step()
     assert hybrid.muon.param_groups[0]["lr"] == pytest.approx(expected[0] * gamma, rel=1e-12)
     assert hybrid.backup.param_groups[0]["lr"] == pytest.approx(expected[1] * gamma, rel=1e-12)
+    _trains(hybrid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_lr_is_scheduled_per_group_as_torchs_one_group_would_be(backend: str) -> None:
+    # One tensor lr reached every group the hybrid split it into, and torch's schedulers write
+    # each group's rate in place: ReduceLROnPlateau reduced it once per group, and per-group
+    # lambdas all ended at the last group's rate.
+    _, plateau = _hybrid(backend, lr=torch.tensor(0.01), no_decay_substrings=("bias",))
+    assert len(plateau.param_groups) == 3
+    reduce = ReduceLROnPlateau(plateau, factor=0.1, patience=0)
+    for seed in range(3):
+        _stepped(plateau, seed=seed)
+        reduce.step(1.0)  # the loss never improves: one reduction a step after the first
+    for group in plateau.param_groups:
+        assert isinstance(group["lr"], torch.Tensor)
+        assert float(group["lr"]) == pytest.approx(1e-4, rel=1e-5)
+    lr = torch.tensor(0.01)
+    _, hybrid = _hybrid(backend, lr=lr)
+    scheduler = LambdaLR(hybrid, [lambda epoch: 1.0, lambda epoch: 0.5])
+    _stepped(hybrid)
+    scheduler.step()
+    assert [float(g["lr"]) for g in hybrid.param_groups] == pytest.approx([0.01, 0.005])
+    extra = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))]
+    hybrid.add_param_group({"params": extra, "param_names": ["extra.weight", "extra.bias"]})
+    held = [g["lr"] for g in hybrid.param_groups]
+    assert len({id(value) for value in held}) == len(held) == 4
+    assert float(lr) == pytest.approx(0.01)  # the caller's tensor took no group's write
     _trains(hybrid)
 
 

@@ -8,6 +8,7 @@ partial hybrid is published.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,8 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from gefen.core import Gefen
+from gefen.core.extension import parameter_label
 from gefen.hybrid.adamw_preflight import check_adamw_options
-from gefen.hybrid.group_form import group_params, is_group_form, split_groups
+from gefen.hybrid.group_form import group_params, is_group_form, renumber_groups, split_groups
 from gefen.hybrid.routing import (
     DEFAULT_BACKUP_SUBSTRINGS,
     NamedParams,
@@ -34,6 +36,7 @@ __all__ = [
     "check_disjoint",
     "check_new_backup_group",
     "muon_child",
+    "own_tensor_options",
     "resolve_groups",
     "resolve_lists",
 ]
@@ -245,13 +248,24 @@ def check_new_backup_group(config: HybridConfig, backup: torch.optim.Optimizer, 
     """Refuse a group joining an AdamW backup with options its step would refuse (torch's
     AdamW checks only its defaults; Gefen checks every group itself)."""
     if config.backup_optimizer == "adamw":
-        where = f"GefenMuonHybrid: AdamW backup group {index}"
-        check_adamw_options(backup.param_groups[index], where)
+        group = backup.param_groups[index]
+        check_adamw_options(group, f"GefenMuonHybrid: AdamW backup group {index}")
+        for position, param in enumerate(group["params"]):
+            if param.is_complex():  # torch's AdamW takes one; the hybrid's step could not
+                raise ValueError(
+                    f"parameter {parameter_label(group, index, position)}: complex parameters "
+                    f"are not supported (got {param.dtype})"
+                )
 
 
 def backup_child(config: HybridConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """The backup child (Gefen or AdamW) over ``groups``, the hybrid's options as defaults."""
     if config.backup_optimizer == "adamw":
+        betas = config.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:  # torch's AdamW indexes it
+            raise ValueError(
+                f"Invalid beta parameter at index 0: betas must be a pair, got {betas!r}"
+            )
         adamw = torch.optim.AdamW(
             groups,
             lr=config.backup_lr,
@@ -297,5 +311,32 @@ def build_children(
     # constructor checks its options now (torch checks every option at construction), not
     # first when add_param_group builds it.
     muon = muon_child(config, muon_groups or [{"params": []}])
-    backup = backup_child(config, backup_groups or [{"params": []}])
+    try:
+        backup = backup_child(config, backup_groups or [{"params": []}])
+    except Exception as error:  # numbered as the hybrid's groups: the Muon child's come first
+        renumber_groups(error, len(muon_groups))
+        raise
     return (muon if muon_groups else None), (backup if backup_groups else None)
+
+
+def own_tensor_options(
+    groups: Sequence[dict[str, Any]], existing: Sequence[dict[str, Any]] = ()
+) -> None:
+    """Give each group not in ``existing`` its own copy of a tensor option (a tensor ``lr``)
+    that another group also holds. The hybrid splits one caller's value over several groups,
+    and torch's schedulers write each group's rate in place (``fill_``), one group at a time:
+    a shared tensor would take every group's write (``ReduceLROnPlateau`` would reduce once
+    per group, per-group lambdas would all end at the last group's rate). A tensor one group
+    holds alone stays the caller's object, as in torch."""
+
+    def tensors(group: Mapping[str, Any]) -> list[tuple[str, Tensor]]:
+        return [(k, v) for k, v in group.items() if k != "params" and isinstance(v, Tensor)]
+
+    kept = {id(group) for group in existing}
+    new = [group for group in groups if id(group) not in kept]
+    held = {id(value) for group in existing for _, value in tensors(group)}
+    counts = Counter(id(value) for group in new for _, value in tensors(group))
+    for group in new:
+        for key, value in tensors(group):
+            if id(value) in held or counts[id(value)] > 1:
+                group[key] = value.detach().clone()

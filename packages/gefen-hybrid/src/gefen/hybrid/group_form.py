@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from gefen.core.extension import real_value
-from gefen.hybrid.routing import is_muon_param
+from gefen.hybrid.routing import check_matrix, is_muon_param
 
 __all__ = [
     "check_momentum",
@@ -98,6 +98,8 @@ def split_groups(
         if flag is False and "momentum" in group:  # the backup reads it as beta1
             check_momentum(group["momentum"], f"param group {index}")
         names = _names(index, group, len(items))
+        if flag:  # the whole group goes to GefenMuon
+            _check_matrices(index, items, names)
         pairs = (zip(names, items, strict=True) if names is not None
                  else ((item[0], item) for item in items if _is_pair(item)))  # fmt: skip
         for name, item in pairs:
@@ -124,6 +126,19 @@ def split_groups(
                 kept["param_names"] = [names[at] for at in part]
             target.append({**kept, "params": [items[at] for at in part], "use_muon": use_muon})
     return muon, backup
+
+
+def _check_matrices(index: int, items: Sequence[Any], names: Sequence[Any] | None) -> None:
+    for at, item in enumerate(items):
+        param = item[1] if _is_pair(item) else item
+        if isinstance(param, Tensor):  # anything else is refused by the child, by name
+            label = names[at] if names is not None else item[0] if _is_pair(item) else None
+            shown = f"params[{at}]" if label is None else f"params[{at}] ({label!r})"
+            check_matrix(
+                param,
+                f"param group {index}: use_muon=True, but its {shown}",
+                "give it a group with use_muon=False",
+            )
 
 
 def _is_pair(item: Any) -> bool:
@@ -157,15 +172,21 @@ def group_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
 
 
 _GROUP_LABEL = re.compile(r"param_groups\[(\d+)\]")
+_ADAMW_LABEL = re.compile(r"AdamW backup group (\d+)")
 
 
 def renumber_groups(error: BaseException, offset: int) -> None:
     """Rewrite a child's ``param_groups[g]`` labels in ``error``'s message as the hybrid's
-    ``param_groups[g + offset]`` (type, cause and traceback stay as they are)."""
+    ``param_groups[g + offset]``, and say which of the hybrid's groups an AdamW backup's own
+    ``AdamW backup group g`` is (type, cause and traceback stay as they are)."""
     if offset and error.args and isinstance(error.args[0], str):
         text = _GROUP_LABEL.sub(
             lambda m: f"param_groups[{int(m.group(1)) + offset}]", error.args[0]
         )
+        own = _ADAMW_LABEL.search(text)
+        if own is not None:
+            index = int(own.group(1))
+            text += f" (AdamW backup group {index} is the hybrid's param_groups[{index + offset}])"
         error.args = (text, *error.args[1:])
 
 

@@ -46,6 +46,7 @@ from gefen.hybrid.construction import (
     check_disjoint,
     check_new_backup_group,
     muon_child,
+    own_tensor_options,
     resolve_groups,
 )
 from gefen.hybrid.finalization import children_binding, forward_post_sharding
@@ -148,6 +149,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         self._config = config
         self.muon: GefenMuon | None = muon
         self.backup: torch.optim.Optimizer | None = backup
+        own_tensor_options(self.param_groups)
         self.backup_optimizer = backup_optimizer
         self._check_finite = check_finite
         self._commit_failed = False
@@ -249,6 +251,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             raise RuntimeError(f"{self.OWNER_NAME} is finalized by post_sharding: "
                                "add_param_group is refused")  # fmt: skip
         config: HybridConfig = self._config
+        existing = self.param_groups
         taken = {
             name: param
             for group in self.param_groups
@@ -270,14 +273,15 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                 ("backup", parts[1], backup_child),
             ):
                 child = getattr(self, role)
-                if groups and child is None:
-                    setattr(self, role, build(config, groups))
-                    added.append((role, None))
-                elif groups:
-                    child.add_param_group(groups[0])
-                    added.append((role, child))
-                    if role == "backup":
-                        check_new_backup_group(config, child, len(child.param_groups) - 1)
+                with self.numbering(int(role == "backup" and self.muon is not None)):
+                    if groups and child is None:
+                        setattr(self, role, build(config, groups))
+                        added.append((role, None))
+                    elif groups:
+                        child.add_param_group(groups[0])
+                        added.append((role, child))
+                        if role == "backup":
+                            check_new_backup_group(config, child, len(child.param_groups) - 1)
         except BaseException:
             for role, child in reversed(added):
                 if child is None:
@@ -290,13 +294,12 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             # the hybrid's own (non-tensor) state keys live in the first child's state (§5)
             for key in [key for key in self.backup.state if not isinstance(key, torch.Tensor)]:
                 self.muon.state[key] = self.backup.state.pop(key)
+        own_tensor_options(self.param_groups, existing)
         self.rebuild_registry()
 
     def __repr__(self) -> str:
-        muon = 0 if self.muon is None else sum(len(g["params"]) for g in self.muon.param_groups)
-        backup = (
-            0 if self.backup is None else sum(len(g["params"]) for g in self.backup.param_groups)
-        )
+        sizes = {c: sum(len(g["params"]) for g in c.param_groups) for c in self.children}
+        muon, backup = (sizes[c] if c else 0 for c in (self.muon, self.backup))
         return (
             f"GefenMuonHybrid(muon_params={muon}, backup_params={backup}, "
             f"backup_optimizer={self.backup_optimizer!r})"

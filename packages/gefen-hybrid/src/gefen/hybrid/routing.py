@@ -16,6 +16,7 @@ from torch import Tensor, nn
 __all__ = [
     "DEFAULT_BACKUP_SUBSTRINGS",
     "NamedParams",
+    "check_matrix",
     "is_muon_param",
     "route_pairs",
     "split_params_for_muon",
@@ -98,6 +99,15 @@ def _check_list(pairs: list[tuple[str, Tensor]], role: str) -> None:
         seen.add(id(param))
 
 
+def check_matrix(param: Tensor, subject: str, remedy: str) -> None:
+    """GefenMuon steps 2-D matrices only: say which parameter the caller sent it, and where
+    it belongs, before GefenMuon's own (unnamed) refusal."""
+    if param.ndim != 2:
+        raise ValueError(
+            f"{subject} has size {tuple(param.shape)}: GefenMuon steps only 2-D matrices ({remedy})"
+        )
+
+
 def validate_split(
     muon_pairs: Iterable[Any], backup_pairs: Iterable[Any], model: nn.Module | None = None
 ) -> tuple[NamedParams, NamedParams]:
@@ -106,6 +116,8 @@ def validate_split(
     backup = [_check_pair(item, "backup") for item in backup_pairs]
     _check_list(muon, "muon")
     _check_list(backup, "backup")
+    for name, param in muon:
+        check_matrix(param, f"parameter '{name}' in the muon list", "put it in the backup list")
     muon_ids = {id(param) for _, param in muon}
     for name, param in backup:
         if id(param) in muon_ids:
