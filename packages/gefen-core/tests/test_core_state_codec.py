@@ -57,14 +57,35 @@ def test_other_family_accepted_for_migration_and_migrated() -> None:
     assert validate_entry(entry, where="x", **factored.kwargs()) == "q8_block"
     migrated = migrate_family(entry, factored, torch.device("cpu"))
     assert migrated["step"] == 5
-    assert migrated["v_step"] == 0
+    assert migrated["v_step"] == 5  # the statistics carry over, and their age with them
     assert "v_block" not in migrated
-    assert not migrated["v_row"].any()
+    assert torch.equal(migrated["v_row"], torch.ones(4))
+    assert torch.equal(migrated["v_col"], torch.ones(6))
     assert validate_entry(migrated, where="x", **factored.kwargs()) == "q8_factored"
     with pytest.raises(ValueError, match="state does not match parameter"):
         validate_entry(
             migrated, where="x", **_spec(matrix_shape=None, second_moment="block").kwargs()
         )
+
+
+def test_a_migrated_family_holds_the_old_familys_picture_averaged_its_own_way() -> None:
+    # It held zeros beside the kept momentum: wherever the next gradient was zero, the step
+    # divided that momentum by eps alone (a parameter moved by about 1e4 at lr 0.01).
+    block, factored = _spec(second_moment="block"), _spec(second_moment="factored")
+    entry = allocate_entry(factored, 4, codebook8=True, device=torch.device("cpu"))
+    entry.update(step=3, v_step=2)
+    entry["v_row"] += torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3
+    entry["v_col"] += torch.arange(1.0, 7.0)
+    estimate = (entry["v_row"] / 3.0).unsqueeze(1) * entry["v_col"]  # §6.2's (4, 6) picture
+    to_block = migrate_family(entry, block, torch.device("cpu"))
+    assert to_block["v_step"] == 2
+    assert torch.allclose(to_block["v_block"], estimate.reshape(6, 4).mean(dim=1, keepdim=True))
+    assert validate_entry(to_block, where="x", **block.kwargs()) == "q8_block"
+    back = migrate_family(to_block, factored, torch.device("cpu"))
+    picture = to_block["v_block"].expand(6, 4).reshape(4, 6)
+    assert torch.allclose(back["v_row"], picture.mean(dim=1))
+    assert torch.allclose(back["v_col"], picture.mean(dim=0))
+    assert validate_entry(back, where="x", **factored.kwargs()) == "q8_factored"
 
 
 def test_muon_style_entry_without_second_moment_and_extra_pairs() -> None:

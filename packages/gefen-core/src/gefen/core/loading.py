@@ -82,7 +82,7 @@ def _migrated(spec: EntrySpec, entry: dict[str, Any], where: str, param: Any) ->
         return entry
     warnings.warn(
         f"{where}: migrated to the {spec.second_moment} second-moment family "
-        "(factored_v_2d changed); v_step restarts at 0",
+        "(factored_v_2d changed); its second-moment statistics carry over",
         UserWarning,
         stacklevel=6,
     )

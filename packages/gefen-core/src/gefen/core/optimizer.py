@@ -376,7 +376,7 @@ class Gefen(OptimizerShell):
             warnings.warn(
                 f"Gefen: parameter {parameter_label(group, *planned.position)} switches"
                 f" its second moment to the "
-                f"{spec.second_moment} family (factored_v_2d changed); it restarts at v_step 0",
+                f"{spec.second_moment} family (factored_v_2d changed); its statistics carry over",
                 UserWarning,
                 stacklevel=2,
             )

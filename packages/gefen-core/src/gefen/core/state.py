@@ -450,16 +450,28 @@ def allocate_entry(
 def migrate_family(
     entry: Mapping[str, Any], spec: EntrySpec, device: torch.device
 ) -> dict[str, Any]:
-    """A new entry with the family ``spec.second_moment`` selects, zeroed, ``v_step = 0`` (§8.4).
-
-    ``step`` and the momentum carry over; the old family's tensors are dropped.
-    """
+    """A new entry with the family ``spec.second_moment`` selects (§8.4): its statistics are
+    the old family's per-element picture averaged the new family's way, and ``v_step``, ``step``
+    and the momentum carry over. (Zeros beside a kept momentum divided it by ``eps`` wherever a
+    gradient was zero next: a parameter moved by ``lr·m/eps``.)"""
     assert spec.second_moment is not None
+    assert spec.matrix_shape is not None  # a factored family exists on plain matrices only
     dropped = {key for keys in FAMILY_KEYS.values() for key in keys}
     migrated = {key: value for key, value in entry.items() if key not in dropped}
-    blocks = spec.numel // int(entry["period"])
-    migrated.update(_family_tensors(spec.second_moment, spec, blocks, device))
-    migrated["v_step"] = 0
+    period = int(entry["period"])
+    blocks = spec.numel // period
+    if "v_block" in entry:  # each element holds its block's value
+        picture = entry["v_block"].to(device).expand(blocks, period)
+    else:  # the factored estimate of §6.2, unfloored
+        v_row, v_col = entry["v_row"].to(device), entry["v_col"].to(device)
+        floor = torch.finfo(torch.float32).tiny
+        picture = (v_row / v_row.mean().clamp_min(floor)).unsqueeze(1) * v_col.unsqueeze(0)
+    if spec.second_moment == "block":
+        fresh = {"v_block": picture.reshape(blocks, period).mean(dim=1, keepdim=True)}
+    else:
+        matrix = picture.reshape(spec.matrix_shape)
+        fresh = {"v_row": matrix.mean(dim=1), "v_col": matrix.mean(dim=0)}
+    migrated.update({key: value.contiguous() for key, value in fresh.items()})
     return migrated
 
 
