@@ -179,6 +179,11 @@ FORMAT2_REJECTIONS = [
     ("slot shape", _slot_shape, "must be the (16, 1) slot of a searched period"),
     ("flags as positions", lambda sd: _both(sd, "initialized_params", [0, 1]), "must be 8 flags"),
     ("flag not 0 or 1", lambda sd: _both(sd, "initialized_params", [1] * 6 + [2, 0]), "0 or 1"),
+    (
+        "a flag per parameter of another optimizer",  # the message said nothing of the count
+        lambda sd: _both(sd, "initialized_params", [0] * 9),
+        "must be 8 flags, each the int 0 or 1; got 9: a file of an optimizer over 9 parameters",
+    ),
 ]
 
 
@@ -245,6 +250,41 @@ def test_a_dcp_file_that_does_not_fit_is_refused_with_nothing_changed(
         step = target.global_step
         _train(target_model, target, range(20, 21))
         assert target.global_step == step + 1
+
+
+def test_a_dcp_file_of_a_parameter_frozen_after_training_is_refused_naming_it(
+    tmp_path: Path, rejects: Any
+) -> None:
+    # The refusal named a position only, not the frozen parameter nor the way out.
+    model = _Net(seed=0)
+    source = Gefen(model.parameters(), lr=0.01)
+    _train(model, source, range(2))
+    model.first.weight.requires_grad_(False)
+    _train(model, source, range(2, 3))
+    _save(model, source, tmp_path)
+    target_model, target = _fresh({}, model)
+    target_model.first.weight.requires_grad_(False)
+
+    def template() -> dict[str, Any]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            filled = get_optimizer_state_dict(target_model, target)
+            dcp.load({"optim": filled}, checkpoint_id=str(tmp_path))
+        return filled
+
+    filled, at = template(), _index("first.weight")
+    rejects(
+        target,
+        lambda: set_optimizer_state_dict(target_model, target, filled),
+        ValueError,
+        f"initialized_params lists position {at} but its entry is not initialized (param_groups"
+        f"[0][{at}] is frozen: DCP loads no state of a frozen parameter; make it trainable for "
+        "the load)",
+    )
+    target_model.first.weight.requires_grad_(True)  # the way out the message names
+    target.load_state_dict(template())
+    assert torch.equal(target.state[target_model.first.weight]["momentum_codes"],
+                       source.state[model.first.weight]["momentum_codes"])  # fmt: skip
 
 
 def test_a_full_state_dict_loads_through_torch_into_a_fresh_optimizer() -> None:

@@ -327,6 +327,38 @@ def test_a_full_state_dict_file_resumes_at_another_world_size(tmp_path: Path) ->
         for result in resumed["resume"]:
             assert result["state_equal"]
             assert result["trained"] == (3, 5)
+    _resume_in_a_plain_process(torch.load(tmp_path / "full.pt", weights_only=True)["full"])
+
+
+def _resume_in_a_plain_process(full: dict[str, Any]) -> None:
+    """The file into a Gefen over a model that is not ``fully_shard``-ed (this process), with
+    ``load_state_dict``: each matrix keeps the file's periods and migrates from the row-sharded
+    block family to the factored one, its statistics carried over. The load used to refuse a
+    period the plain optimizer would have searched ("must be the (48, 1) slot of a searched
+    period"), and the statistics used to restart at zero beside the kept momentum: the first
+    step moved rows without gradient by about 1e4."""
+    from gefen.core import Gefen
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 3), torch.nn.Tanh(), torch.nn.Linear(3, 16), torch.nn.LayerNorm(16)
+    )
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    with pytest.warns(UserWarning, match="second-moment family"):
+        optimizer.load_state_dict(full)
+    entry = optimizer.state[model[2].weight]
+    assert "v_row" in entry
+    assert entry["period"] == 3  # the file's: one block per row of (16, 3)
+    assert entry["v_step"] == entry["step"] == 3
+    before = [param.detach().clone() for param in model.parameters()]
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    model[2].weight.grad[0] = 1.0  # one row: the rest move by their momentum alone
+    optimizer.step()
+    moved = max(
+        float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before, strict=True)
+    )
+    assert moved < 0.05  # a few times lr
 
 
 def scenario_values_without_rows(rank: int, world_size: int) -> dict[str, Any]:

@@ -296,6 +296,39 @@ def test_other_counters_on_one_rank_fail_every_rank(key: str) -> None:
         assert result["step"] == 4
 
 
+def scenario_counter_past_int64(rank: int, world_size: int) -> dict[str, Any]:
+    """Row-sharded NorMuon with a (1, 16) matrix rank 1 holds no row of: rank 0's live
+    ``normuon_step`` of it is set past int64, then both ranks save and load back."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from gefen.core.testing import attempt
+
+    model = mt.sharded(mt.mesh_1d(world_size), mt.fulls([(8, 12), (1, 16)], 0))
+    optimizer = mt.sharded_muon(model, sharded_mode="approx", normuon=True)
+    _train(model, optimizer, range(2))
+    narrow = list(model.parameters())[1]
+    if rank == 0:
+        optimizer.state[narrow]["normuon_step"] = 2**63
+    saved = get_optimizer_state_dict(model, optimizer)
+    agreed = saved["state"]["1.weight"]["normuon_step"]
+    outcome = attempt(lambda: set_optimizer_state_dict(model, optimizer, saved), value=False)
+    return {"agreed": agreed, "outcome": outcome}
+
+
+def test_a_counter_past_int64_on_one_rank_saves_without_a_hang() -> None:
+    # Rank 0 failed to pack it into the counters' MAX all-reduce, before the collective rank 1
+    # was already waiting in: rank 1 hung until the process group's timeout.
+    world = run_scenarios([("past", scenario_counter_past_int64, ())], 2, rank_deadline_s=120.0)
+    for result in world["past"]:
+        assert result["agreed"] == 2**63 - 1  # saturated alike on both ranks
+        assert "GefenMuon load validation failed" in result["outcome"]["error"]
+    errors = [result["outcome"]["error"] for result in world["past"]]
+    assert any("0 <= normuon_step <= step" in error for error in errors)  # named where held
+
+
 def _full_options() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

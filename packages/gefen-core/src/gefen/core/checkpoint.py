@@ -403,9 +403,9 @@ def _saved_entries(
         if entry is not None and is_dtensor(param) and local_tensor(param).numel() == 0:
             continue  # this rank holds no row of it, so no state (docs/core.md §9.1)
         if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
-            raise loader.reject(
-                f"initialized_params lists position {position} but its entry is not initialized"
-            )
+            why = "" if param.requires_grad else f" ({_label_at(groups, position)}{_FROZEN})"
+            raise loader.reject(f"initialized_params lists position {position} but its entry "
+                                f"is not initialized{why}")  # fmt: skip
         warnings.warn(
             f"{loader.owner} load: kept the live state of frozen parameter "
             f"{_label_at(groups, position)} (position {position}; the checkpoint dropped it)",
@@ -414,6 +414,9 @@ def _saved_entries(
         )
         saved[position] = optimizer.state[param]
     return saved
+
+
+_FROZEN = " is frozen: DCP loads no state of a frozen parameter; make it trainable for the load"
 
 
 def _first_places(keys: list[Any]) -> list[int]:

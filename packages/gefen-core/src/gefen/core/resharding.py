@@ -17,6 +17,7 @@ docs/dist.md §10.3.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -158,13 +159,24 @@ def agree_counters(
     ]
     if not targets:
         return
-    rows = [[int(entry.get(key, -1)) for key in COUNTERS] for entry in targets]
+    rows = [[_word(entry.get(key, -1)) for key in COUNTERS] for entry in targets]
     words = torch.tensor(rows, dtype=torch.int64, device=channel.device)
     dist.all_reduce(words, op=dist.ReduceOp.MAX, group=channel.process_group)
     for entry, agreed in zip(targets, words.tolist(), strict=True):
         entry.update(
             {key: value for key, value in zip(COUNTERS, agreed, strict=True) if value >= 0}
         )
+
+
+def _word(value: object) -> int:
+    """A counter as an int64 word. Never raises: this rank must not leave the others waiting
+    in the all-reduce (a counter past int64 saturates; one that is no int counts as absent,
+    and the entry keeps it for the checks that name it)."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return -1
+    return max(-1, min(number, 2**63 - 1))
 
 
 def summed_over(counts: Tensor, scope: Sequence[Channel]) -> Tensor:

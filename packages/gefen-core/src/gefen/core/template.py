@@ -108,7 +108,13 @@ def absorb_extras(
         or len(flags) != count
         or any(type(flag) is not int or flag not in (0, 1) for flag in flags)
     ):
-        raise ValueError(f"initialized_params must be {count} flags, each the int 0 or 1")
+        held = (
+            f"; got {len(flags)}: a file of an optimizer over {len(flags)} parameters (say one "
+            "the live optimizer skipped as frozen)"
+            if isinstance(flags, list) and len(flags) != count
+            else ""
+        )
+        raise ValueError(f"initialized_params must be {count} flags, each the int 0 or 1{held}")
     absorbed["initialized_params"] = [position for position, flag in enumerate(flags) if flag]
     return absorbed
 
@@ -256,6 +262,8 @@ def absorb_entry(
         return absorbed
     if period <= 0 or spec.numel % period != 0:
         return absorbed  # the validator names the period
+    if _in_its_grid(entry, spec):  # a fixed-period layout's entry (a row-sharded save's)
+        return absorbed
     for key in _grid_keys(spec):
         if key in entry:
             absorbed[key] = _slot(entry, key, spec.numel, where).reshape(-1, period)
@@ -271,6 +279,18 @@ def absorb_entry(
                 raise ValueError(f"{where}: '{key}' holds values past its {blocks} blocks")
             absorbed[key] = slot[:used].reshape(shape)
     return absorbed
+
+
+def _in_its_grid(entry: Mapping[str, Any], spec: EntrySpec) -> bool:
+    """Whether the momentum is already in its (B, P) grid, as an optimizer whose layout fixes
+    the period presents it (a row-sharded one: one block per row), not in the (N, 1) slot of a
+    searched period: so torch's full state dict of an FSDP2 run loads into a plain optimizer,
+    as it does for AdamW (the validator checks the grid; the period is the file's)."""
+    for key in (*_grid_keys(spec), *_packed_keys(spec)):
+        value = entry.get(key)
+        if isinstance(value, Tensor) and tuple(value.shape) != (spec.numel, 1):
+            return True
+    return False
 
 
 def absorb_state(
