@@ -196,9 +196,36 @@ class TestCheckStateDict:
         ):
             check_state_dict(contract, plain_state_dict(), **{name: [1]})
 
+    @pytest.mark.parametrize(
+        ("name", "value", "rule"),
+        [
+            ("ndims", True, r"ndims\[1\] must be an int"),
+            ("sharded_modes", 2, r"sharded_modes\[1\] must be a str"),
+            ("roles", "owner", r"roles\[1\] must be a ParameterStateRole member"),
+            (
+                "parameter_layouts",
+                "replicated",
+                r"parameter_layouts\[1\] must be a ParameterLayout",
+            ),
+        ],
+    )
+    def test_a_bad_filter_value_is_refused_naming_its_argument_and_key(
+        self, contract: OptimizerContract, name: str, value: object, rule: str
+    ) -> None:
+        """It was named at ``StateVariant.applies_to``, and not checked at all for an id a
+        group lists without state yet."""
+        stateless = plain_state_dict()
+        del stateless["state"][1]
+        for state_dict in (plain_state_dict(), stateless):
+            with pytest.raises(ContractTypeError, match=rf"^check_state_dict\.{rule}"):
+                check_state_dict(contract, state_dict, **{name: {1: value}})
+
     def test_a_type_error_names_the_type_with_its_article(self) -> None:
         with pytest.raises(ContractTypeError, match=r"contract must be an OptimizerContract, got"):
             check_state_dict("not a contract", plain_state_dict())  # type: ignore[arg-type]
+        # a nested value's type too (it said "a OptimizerStateLayout")
+        with pytest.raises(ContractTypeError, match=r"layout must be an OptimizerStateLayout, got"):
+            OptimizerContract(implementation="a.B", state_layout="x", capabilities=None)  # type: ignore[arg-type]
 
     def test_missing_required_common_field(self, contract: OptimizerContract) -> None:
         state_dict = plain_state_dict()

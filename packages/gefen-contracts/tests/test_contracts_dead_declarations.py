@@ -56,6 +56,34 @@ def test_empty_parameter_ranks_are_refused() -> None:
     assert variant("v", ("step",), parameter_ranks=(0,)).applies_to(ndim=0)
 
 
+def test_empty_rank_and_mesh_claims_are_refused() -> None:
+    """``()`` claimed no dimensionality (no mesh) at all, where ``None`` means any."""
+    from gefen.contracts import OptimizerCapabilities, Precision, ProcessGroupScope, TrainingSupport
+
+    def training(**extra: Any) -> TrainingSupport:
+        return TrainingSupport(
+            layout=REPLICATED, process_group_scope=ProcessGroupScope.NONE, **extra
+        )
+
+    with pytest.raises(ContractValueError, match=r"mesh_dimensions: must not be empty"):
+        training(mesh_dimensions=())
+    with pytest.raises(ContractValueError, match=r"supported_parameter_ranks: must not be empty"):
+        OptimizerCapabilities(
+            training=[training()], precisions={Precision.FLOAT32}, supported_parameter_ranks=()
+        )
+    assert training(mesh_dimensions=(1,)).mesh_dimensions == (1,)
+
+
+def test_a_description_canonical_bytes_cannot_write_is_refused() -> None:
+    """A lone surrogate (text decoded with ``surrogateescape``) was taken, and every
+    fingerprint of the contract then failed, ``check_provider`` with a ContractValueError."""
+    text = b"momentum \xff".decode("utf-8", "surrogateescape")
+    with pytest.raises(ContractValueError, match=r"StateField\.description: text must be"):
+        field("m", description=text)
+    with pytest.raises(ContractValueError, match=r"StateVariant\.description: text must be"):
+        variant("v", ("step",), description=text)
+
+
 def test_optional_requires_checkpointed() -> None:
     with pytest.raises(ContractValueError, match=r"StateField\.optional: marks a checkpointed"):
         field("extras", StateScope.OPTIMIZER_COMMON, optional=True, checkpointed=False)

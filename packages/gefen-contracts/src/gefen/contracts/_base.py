@@ -22,7 +22,7 @@ from gefen.contracts._check import (
     check_int,
     check_name,
     check_schema_version,
-    check_str,
+    check_text,
     check_unique,
     show,
     type_error,
@@ -81,7 +81,7 @@ class IntKind(Kind):
 
 class StrKind(Kind):
     def check(self, location: str, value: object) -> object:
-        return check_str(location, value)
+        return check_text(location, value)
 
     def parse(self, path: str, raw: object) -> object:
         _expect(path, raw, str, "a str")
@@ -129,6 +129,10 @@ class EnumKind(Kind, Generic[E]):
         return member
 
 
+def _with_article(name: str) -> str:
+    return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
+
+
 class NestedKind(Kind):
     """A contract value of one of the named types, looked up lazily to allow forward references."""
 
@@ -140,7 +144,7 @@ class NestedKind(Kind):
 
     def check(self, location: str, value: object) -> object:
         if type(value) not in self.types():
-            raise type_error(location, " or ".join(f"a {n}" for n in self.type_names), value)
+            raise type_error(location, " or ".join(map(_with_article, self.type_names)), value)
         return value
 
     def to_primitive(self, value: object) -> object:

@@ -66,6 +66,16 @@ def check_str(location: str, value: object) -> str:
     return value
 
 
+def check_text(location: str, value: object) -> str:
+    """Free text (a description): a str ``canonical_bytes`` can write (UTF-8)."""
+    text = check_str(location, value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise value_error(location, "text must be encodable as UTF-8", text) from None
+    return text
+
+
 def check_name(location: str, value: object) -> str:
     text = check_str(location, value)
     if not text:

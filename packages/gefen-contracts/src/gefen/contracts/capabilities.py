@@ -36,7 +36,8 @@ from gefen.contracts.state import OptimizerStateLayout
 _NAME = meta(NameKind())
 _FLAG = meta(BoolKind())
 _SCOPE = meta(EnumKind(ProcessGroupScope))
-_MESH_DIMENSIONS = meta(OptionalKind(TupleKind(IntKind(minimum=1), unique=True)))
+# None: any; an empty tuple would claim no mesh at all (a declaration that can never match)
+_MESH_DIMENSIONS = meta(OptionalKind(TupleKind(IntKind(minimum=1), unique=True, non_empty=True)))
 _LAYOUT_SET = FrozenSetKind(EnumKind(ParameterLayout))
 
 
@@ -106,7 +107,8 @@ class OptimizerCapabilities(ContractValue):
         metadata=meta(FrozenSetKind(EnumKind(Precision), non_empty=True))
     )
     supported_parameter_ranks: tuple[int, ...] | None = field(
-        default=None, metadata=meta(OptionalKind(TupleKind(IntKind(minimum=0), unique=True)))
+        default=None,
+        metadata=meta(OptionalKind(TupleKind(IntKind(minimum=0), unique=True, non_empty=True))),
     )
     canonical_parameter_fqns: bool = field(default=False, metadata=_FLAG)
     stable_shard_identity: bool = field(default=False, metadata=_FLAG)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gefen.contracts._base import ContractValue, value_types
-from gefen.contracts._check import check_exact, show, type_error
+from gefen.contracts._check import check_enum, check_exact, check_int, check_str, show, type_error
 from gefen.contracts.capabilities import (
     OptimizerContract,
     OptimizerContractProvider,
@@ -158,6 +158,14 @@ class _EntryFilters:
         )
 
 
+_FILTER_CHECKS: dict[str, Any] = {
+    "ndims": lambda at, value: check_int(at, value, minimum=0),
+    "sharded_modes": check_str,
+    "roles": lambda at, value: check_enum(at, value, ParameterStateRole),
+    "parameter_layouts": lambda at, value: check_enum(at, value, ParameterLayout),
+}
+
+
 def check_state_dict(
     contract: OptimizerContract,
     state_dict: object,
@@ -178,6 +186,8 @@ def check_state_dict(
     for name, mapping in named.items():
         if mapping is not None and not isinstance(mapping, Mapping):
             raise type_error(f"check_state_dict.{name}", "a mapping of state keys", mapping)
+        for key, value in (mapping or {}).items():  # every value, state or not, by its key
+            _FILTER_CHECKS[name](f"check_state_dict.{name}[{show(key)}]", value)
     filters = _EntryFilters(ndims, sharded_modes, roles, parameter_layouts)
     result: dict[object, tuple[str, ...]] = {}
     _check_optimizer(contract, state_dict, "state_dict", "", filters, result)
