@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -365,6 +366,34 @@ def test_invalid_group_edit_caught_by_step_preflight(key, value, error, fragment
         optimizer.param_groups[0][key] = good
 
     rejects(optimizer, optimizer.step, error, fragment, restore=restore)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("lr", -1.0, "param_groups[1]: Invalid learning rate: -1.0"),
+        ("eps", 0.0, "param_groups[1]: Invalid epsilon value: 0.0"),
+    ],
+)
+def test_a_step_refusing_a_group_edit_names_the_group(
+    key: str, value: object, message: str, rejects: Any
+) -> None:
+    # It gave the rule alone ("Invalid learning rate: -1.0"): with several groups the caller
+    # could not tell which one (a load's refusal names it).
+    a, b = _params()
+    optimizer = Gefen([{"params": [a]}, {"params": [b]}])
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    optimizer.step()
+    good = optimizer.param_groups[1][key]
+    optimizer.param_groups[1][key] = value
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    rejects(
+        optimizer,
+        optimizer.step,
+        ValueError,
+        message,
+        restore=lambda: optimizer.param_groups[1].__setitem__(key, good),
+    )
 
 
 def test_factored_floor_is_a_group_option_read_every_step_and_keeps_no_state() -> None:

@@ -224,10 +224,15 @@ def revalidate_changed_groups(
     """§2.2 at the edges: ``validate_group`` for each group whose options token differs from
     the one that last passed (by group id); returns the tokens that passed."""
     passed: dict[int, tuple[Any, tuple[Any, ...]]] = {}
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         token = options_token(group)
         seen = previous.get(id(group))
         if seen is None or seen[0] is not group or seen[1] != token:
-            optimizer.validate_group(group)
+            try:
+                optimizer.validate_group(group)
+            except (ValueError, TypeError, RuntimeError) as error:  # which group, as a load says
+                if error.args and isinstance(error.args[0], str):
+                    error.args = (f"param_groups[{index}]: {error.args[0]}", *error.args[1:])
+                raise
         passed[id(group)] = (group, token)
     return passed
