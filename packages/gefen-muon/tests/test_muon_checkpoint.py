@@ -747,19 +747,9 @@ FAIL_CLOSED = [
     # Unbounded, past int64 it loaded, and a row-sharded state_dict() then failed on one rank
     # before the counters' all-reduce the others waited in.
     (
-        "normuon_step past step",
-        _set(0, "normuon_step", lambda e: e["step"] + 1),
-        "'normuon_step' must be an int with 0 <= normuon_step <= step",
-    ),
-    (
         "normuon_step past int64",
         _set(0, "normuon_step", lambda e: 2**63),
-        "'normuon_step' must be an int with 0 <= normuon_step <= step",
-    ),
-    (
-        "normuon_v nonzero at normuon_step 0",
-        _set(0, "normuon_step", lambda e: 0),
-        "'normuon_v' must be all zero while 'normuon_step' is 0",
+        "'normuon_step' must be an int with 0 <= normuon_step < 2**63, got 9223372036854775808",
     ),
     # 7. codebook
     (

@@ -276,10 +276,8 @@ def scenario_counters_on_one_rank(rank: int, world_size: int, key: str) -> dict[
     _train(model, optimizer, range(3))
     saved = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
     if rank == 1:
-        lowered = ("step", "normuon_step") if key == "step" else (key,)  # normuon_step <= step
         for entry in saved["state"].values():
-            for name in lowered:
-                entry[name] -= 1
+            entry[key] -= 1
     before = deep_snapshot(optimizer)
     outcome = attempt(lambda: set_optimizer_state_dict(model, optimizer, saved), value=False)
     changes = snapshot_diff(before, deep_snapshot(optimizer))
@@ -322,13 +320,12 @@ def scenario_counter_past_int64(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_a_counter_past_int64_on_one_rank_saves_without_a_hang() -> None:
     # Rank 0 failed to pack it into the counters' MAX all-reduce, before the collective rank 1
-    # was already waiting in: rank 1 hung until the process group's timeout.
+    # was already waiting in: rank 1 hung until the process group's timeout. It saturates, so
+    # both ranks save the same value, which loads back on both.
     world = run_scenarios([("past", scenario_counter_past_int64, ())], 2, rank_deadline_s=120.0)
     for result in world["past"]:
-        assert result["agreed"] == 2**63 - 1  # saturated alike on both ranks
-        assert "GefenMuon load validation failed" in result["outcome"]["error"]
-    errors = [result["outcome"]["error"] for result in world["past"]]
-    assert any("0 <= normuon_step <= step" in error for error in errors)  # named where held
+        assert result["agreed"] == 2**63 - 1
+        assert result["outcome"]["error"] is None
 
 
 def _full_options() -> Any:
