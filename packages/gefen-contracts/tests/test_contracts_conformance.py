@@ -219,6 +219,9 @@ class TestCheckStateDict:
         for state_dict in (plain_state_dict(), stateless):
             with pytest.raises(ContractTypeError, match=rf"^check_state_dict\.{rule}"):
                 check_state_dict(contract, state_dict, **{name: {1: value}})
+        # None is no filter for that entry, as for match_state_variant (filters built per
+        # group give None where a group lacks the option)
+        assert check_state_dict(contract, plain_state_dict(), **{name: {1: None}})[1] == ("owner",)
 
     def test_a_type_error_names_the_type_with_its_article(self) -> None:
         with pytest.raises(ContractTypeError, match=r"contract must be an OptimizerContract, got"):

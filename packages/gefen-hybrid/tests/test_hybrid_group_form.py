@@ -427,6 +427,22 @@ def test_an_adamw_backup_step_error_says_which_of_the_hybrids_groups_it_is() -> 
     _steps(hybrid, model, 1)
 
 
+def test_a_refused_state_dict_names_the_hybrids_group() -> None:
+    # state_dict() ran a Gefen child's preflight without the hybrid's numbering: the backup's
+    # group 0 was reported as param_groups[0], a Muon group of the hybrid. (torch's AdamW
+    # checks nothing in its state_dict.)
+    model = _model()
+    hidden, rest = _split(model)
+    groups = [{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}]
+    hybrid = GefenMuonHybrid(groups, lr=0.01, **FAST)
+    _steps(hybrid, model, 1)
+    hybrid.param_groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"^param_groups\[1\]: Invalid learning rate: -1.0"):
+        hybrid.state_dict()
+    hybrid.param_groups[1]["lr"] = 0.01
+    _steps(hybrid, model, 1)
+
+
 def test_a_group_form_adamw_backup_refuses_a_group_its_step_would_refuse() -> None:
     model = _model()
     hidden, rest = _split(model)

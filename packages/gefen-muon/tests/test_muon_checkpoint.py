@@ -751,6 +751,12 @@ FAIL_CLOSED = [
         _set(0, "normuon_step", lambda e: 2**63),
         "'normuon_step' must be an int with 0 <= normuon_step < 2**63, got 9223372036854775808",
     ),
+    # Below 2**63 it loaded, and one more step then wrote 2**63, a file no load takes.
+    (
+        "normuon_step past global_step",
+        _set(0, "normuon_step", lambda e: 2**63 - 1),
+        "entry 0: 'normuon_step' 9223372036854775807 exceeds global_step",
+    ),
     # 7. codebook
     (
         "codebook missing with initialised entries",
@@ -1263,3 +1269,20 @@ def test_state_dict_creates_no_live_entry_for_a_parameter_added_to_a_group() -> 
     )
     twin.load_state_dict(saved)
     assert twin.global_step == optimizer.global_step
+
+
+def test_a_warm_restarts_live_step_edit_still_writes_a_checkpoint_that_loads() -> None:
+    # NorMuon's age is the optimizer's steps, not the entry's `step`: a warm restart lowers
+    # `step` live and leaves it, and a rule tying the two refused the optimizer's own file.
+    matrix = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    optimizer = GefenMuon([matrix], lr=0.01, normuon=True, fused=False)
+    for seed in range(3):
+        matrix.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))
+        optimizer.step()
+    optimizer.state[matrix]["step"] = 1
+    matrix.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    optimizer.step()
+    assert (optimizer.state[matrix]["step"], optimizer.state[matrix]["normuon_step"]) == (2, 4)
+    fresh = GefenMuon([matrix], lr=0.01, normuon=True, fused=False)
+    fresh.load_state_dict(optimizer.state_dict())
+    assert fresh.state[matrix]["normuon_step"] == 4

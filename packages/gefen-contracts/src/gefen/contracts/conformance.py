@@ -187,7 +187,8 @@ def check_state_dict(
         if mapping is not None and not isinstance(mapping, Mapping):
             raise type_error(f"check_state_dict.{name}", "a mapping of state keys", mapping)
         for key, value in (mapping or {}).items():  # every value, state or not, by its key
-            _FILTER_CHECKS[name](f"check_state_dict.{name}[{show(key)}]", value)
+            if value is not None:  # None: no filter for that entry
+                _FILTER_CHECKS[name](f"check_state_dict.{name}[{show(key)}]", value)
     filters = _EntryFilters(ndims, sharded_modes, roles, parameter_layouts)
     result: dict[object, tuple[str, ...]] = {}
     _check_optimizer(contract, state_dict, "state_dict", "", filters, result)

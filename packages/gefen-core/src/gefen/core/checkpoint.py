@@ -451,12 +451,13 @@ def _check_counters(
     places = _first_places([id(p) for g in loader.optimizer.param_groups for p in g["params"]])
     listings = Counter(places)
     for position, entry in sorted(entries.items()):
-        step, listed = entry.get("step"), listings[places[position]]
-        if isinstance(step, int) and step > global_step * listed:
-            raise loader.reject(
-                f"entry {position}: 'step' {step} exceeds global_step {global_step} (no run "
-                "updates a parameter more often than the optimizer steps)"
-            )
+        for key in ("step", "normuon_step"):  # every age (v_step <= step is the entry's rule)
+            age = entry.get(key)
+            if isinstance(age, int) and age > global_step * listings[places[position]]:
+                raise loader.reject(
+                    f"entry {position}: '{key}' {age} exceeds global_step {global_step} (no run "
+                    "updates a parameter more often than the optimizer steps)"
+                )
 
 
 def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLoad:

@@ -34,8 +34,9 @@ def build_hybrid_state_dict(hybrid: HybridInterface) -> dict[str, Any]:
     """torch's flat layout (``gefen.hybrid.flat_layout.join``) of the children's public
     ``state_dict()`` (their hooks fire)."""
     nested: dict[str, Any] = {"muon": None, "backup": None}
-    for role, participant in hybrid.participants:
-        nested[role] = participant.state_dict()
+    for index, (role, participant) in enumerate(hybrid.participants):
+        with hybrid.numbering(index):  # a child's refusal names the hybrid's groups
+            nested[role] = participant.state_dict()
     nested["backup_optimizer"] = hybrid.backup_optimizer
     return join(nested)
 

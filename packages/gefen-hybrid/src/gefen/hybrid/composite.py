@@ -7,6 +7,7 @@ these members, and import this protocol rather than the optimizer class, so no m
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -40,6 +41,7 @@ class HybridInterface(Protocol):
         self, muon: PreparedChildLoad | None, backup: PreparedChildLoad | None
     ) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
+    def numbering(self, index: int) -> AbstractContextManager[None]: ...
 
 
 def child_presence_mask(hybrid: HybridInterface) -> int:
