@@ -248,3 +248,67 @@ def test_damaged_packed_codes_are_refused_at_load(byte: int, fragment: str) -> N
     slot[byte, 0] |= 0x30
     rejects(optimizer, lambda: optimizer.load_state_dict(saved), ValueError, fragment)
     takes_a_step(optimizer)
+
+
+def _two_groups() -> tuple[Gefen, nn.Parameter]:
+    generator = torch.Generator().manual_seed(5)
+    first, second = (nn.Parameter(torch.randn(8, 16, generator=generator)) for _ in range(2))
+    optimizer = Gefen([{"params": [first]}, {"params": [second]}], lr=1e-2, fused=False)
+    first.grad = torch.randn(8, 16, generator=generator)
+    optimizer.step()  # the first group holds codebook8 state, the second none yet
+    return optimizer, first
+
+
+def test_a_refresh_under_a_group_edited_to_the_other_codec_is_refused_with_nothing_changed() -> (
+    None
+):
+    # The refresh ran no option check: it sized the codebook by the edited group (16 values),
+    # remapped the first group's live codebook8 codes with the 4-bit table, and the next step
+    # failed inside its commit and latched.
+    optimizer, _ = _two_groups()
+    optimizer.param_groups[1]["momentum_codec"] = "codebook4"
+    rejects(
+        optimizer,
+        optimizer.refresh_codebook,
+        ValueError,
+        "param_groups[0]: Gefen: momentum_codec 'codebook8' cannot join a 'codebook4' group",
+    )
+    optimizer.param_groups[1]["momentum_codec"] = "codebook8"
+    takes_a_step(optimizer)
+
+
+def test_a_codec_undone_after_initialize_codebook_is_refused_before_the_step_writes() -> None:
+    # The step's option check skipped groups whose options had not changed since they last
+    # passed, though the codebook they must fit had: the step failed inside its commit and
+    # latched.
+    param = nn.Parameter(torch.randn(8, 16, generator=torch.Generator().manual_seed(6)))
+    optimizer = Gefen([param], lr=1e-2, fused=False)
+    optimizer.param_groups[0]["momentum_codec"] = "codebook4"  # no state yet: allowed
+    fill_grads([param], 1)
+    assert optimizer.initialize_codebook()
+    assert optimizer.codebook is not None
+    assert optimizer.codebook.numel() == 16
+    optimizer.param_groups[0]["momentum_codec"] = "codebook8"
+    rejects(
+        optimizer,
+        optimizer.step,
+        ValueError,
+        "momentum_codec 'codebook8' needs a 256-value codebook but the learned one holds 16",
+    )
+    assert not optimizer.latched
+    optimizer.param_groups[0]["momentum_codec"] = "codebook4"
+    takes_a_step(optimizer)
+
+
+def test_a_manual_refresh_refuses_a_non_finite_gradient_by_name() -> None:
+    # It learned a codebook counting the NaN elements as 0 and remapped every code, where the
+    # step and initialize_codebook refuse the gradient under check_finite=True.
+    optimizer, first = _two_groups()
+    first.grad = torch.full_like(first, math.nan)
+    rejects(
+        optimizer,
+        optimizer.refresh_codebook,
+        RuntimeError,
+        "parameter param_groups[0][0] has a non-finite gradient (NaN or Inf)",
+    )
+    takes_a_step(optimizer)

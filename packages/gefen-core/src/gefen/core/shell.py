@@ -381,6 +381,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             codebook_ops.publish(self, learning)
             if learning.codebook is not None:
                 self._codebook = learning.codebook
+                self._validated_options = {}  # each group's codec is checked against its size
             self.renote(kept)
         except BaseException:
             self._commit_failed = True
@@ -389,6 +390,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def initialize_preamble(self) -> list[int] | None:
         """The rank-local checks ``initialize_codebook`` votes on; the header payload."""
         self.check_latch()
+        self._validate_changed_groups()  # the options it learns under, as the step's preflight
         self._check_structure()
         check_finite_gradients(self.param_groups)
         return self.step_header_payload()
@@ -403,7 +405,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         self._check_finalized_layout()  # before the codebook: a replaced parameter says so first
         if not self.uses_codebook or self._codebook is None:
             raise RuntimeError("refresh_codebook: no codebook has been learned")
+        self._validate_changed_groups()  # a group edited to the other codec would size it
         self._check_structure()
+        check_finite_gradients(self.param_groups)
         return self.step_header_payload()
 
     def refresh_codebook(self) -> bool:
