@@ -271,7 +271,7 @@ def test_a_refresh_under_a_group_edited_to_the_other_codec_is_refused_with_nothi
         optimizer,
         optimizer.refresh_codebook,
         ValueError,
-        "param_groups[0]: Gefen: momentum_codec 'codebook8' cannot join a 'codebook4' group",
+        "param_groups[1]: Gefen: momentum_codec 'codebook4' cannot join a 'codebook8' group",
     )
     optimizer.param_groups[1]["momentum_codec"] = "codebook8"
     takes_a_step(optimizer)

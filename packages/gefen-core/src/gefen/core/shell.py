@@ -381,7 +381,6 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             codebook_ops.publish(self, learning)
             if learning.codebook is not None:
                 self._codebook = learning.codebook
-                self._validated_options = {}  # each group's codec is checked against its size
             self.renote(kept)
         except BaseException:
             self._commit_failed = True
