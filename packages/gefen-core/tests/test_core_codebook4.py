@@ -312,3 +312,22 @@ def test_a_manual_refresh_refuses_a_non_finite_gradient_by_name() -> None:
         "parameter param_groups[0][0] has a non-finite gradient (NaN or Inf)",
     )
     takes_a_step(optimizer)
+
+
+@pytest.mark.parametrize("call", ["initialize_codebook", "refresh_codebook"])
+def test_learning_outside_a_step_refuses_a_gradient_past_float32_by_name(call: str) -> None:
+    # It failed inside torch's bincount ("bincount only supports 1-d non-negative integral
+    # inputs"), naming no parameter; the step refuses such a gradient by name.
+    param = nn.Parameter(torch.randn(8, 16, dtype=torch.float64))
+    optimizer = Gefen([param], lr=1e-2, fused=False)
+    if call == "refresh_codebook":
+        fill_grads([param], 2)
+        optimizer.step()
+    param.grad = torch.full_like(param, 1e300)
+    rejects(
+        optimizer,
+        getattr(optimizer, call),
+        RuntimeError,
+        "parameter param_groups[0][0] has a finite gradient (|g| up to 1e+300) beyond float32",
+    )
+    takes_a_step(optimizer)

@@ -427,18 +427,22 @@ def test_an_adamw_backup_step_error_says_which_of_the_hybrids_groups_it_is() -> 
     _steps(hybrid, model, 1)
 
 
-def test_a_refused_state_dict_names_the_hybrids_group() -> None:
-    # state_dict() ran a Gefen child's preflight without the hybrid's numbering: the backup's
-    # group 0 was reported as param_groups[0], a Muon group of the hybrid. (torch's AdamW
-    # checks nothing in its state_dict.)
+def test_a_refused_state_dict_says_which_of_the_hybrids_groups_it_names() -> None:
+    # state_dict() passed on a Gefen child's refusal in the child's numbering: the backup's
+    # group 0 read as param_groups[0], a Muon group of the hybrid. It is noted, not rewritten,
+    # since the text may be a hook's own. (torch's AdamW checks nothing in its state_dict.)
     model = _model()
     hidden, rest = _split(model)
     groups = [{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}]
     hybrid = GefenMuonHybrid(groups, lr=0.01, **FAST)
     _steps(hybrid, model, 1)
     hybrid.param_groups[1]["lr"] = -1.0
-    with pytest.raises(ValueError, match=r"^param_groups\[1\]: Invalid learning rate: -1.0"):
+    with pytest.raises(ValueError) as refused:
         hybrid.state_dict()
+    assert str(refused.value) == (
+        "param_groups[0]: Invalid learning rate: -1.0 [numbered within the backup: its group g "
+        "is the hybrid's param_groups[g + 1]]"
+    )
     hybrid.param_groups[1]["lr"] = 0.01
     _steps(hybrid, model, 1)
 

@@ -36,6 +36,7 @@ from gefen.core.transaction import STEP_SIGNATURE, HookedStepState, run_load, ru
 from gefen.core.validation import (
     amp_scaling_supported,
     check_finite_gradients,
+    check_learnable_gradients,
     validate_gradient_structure,
 )
 from gefen.dist import (
@@ -391,7 +392,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         self.check_latch()
         self._validate_changed_groups()  # the options it learns under, as the step's preflight
         self._check_structure()
-        check_finite_gradients(self.param_groups)
+        check_learnable_gradients(self.param_groups)
         return self.step_header_payload()
 
     def initialize_codebook(self) -> bool:
@@ -406,7 +407,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             raise RuntimeError("refresh_codebook: no codebook has been learned")
         self._validate_changed_groups()  # a group edited to the other codec would size it
         self._check_structure()
-        check_finite_gradients(self.param_groups)
+        check_learnable_gradients(self.param_groups)
         return self.step_header_payload()
 
     def refresh_codebook(self) -> bool:

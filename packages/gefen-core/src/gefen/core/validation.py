@@ -22,6 +22,7 @@ __all__ = [
     "NonFiniteGradientError",
     "amp_scaling_supported",
     "check_finite_gradients",
+    "check_learnable_gradients",
     "iter_parameters",
     "overlaps_itself",
     "parameter_label",
@@ -171,6 +172,14 @@ GradientReduction = Callable[[Tensor], "tuple[Any, bool] | None"]
 and column sums, ``gefen.core.native.NativeUpdater.gradient_sums``): its result and True when
 that proves the gradient finite, False when the gradient must be checked itself, or None when
 it does not apply to this gradient."""
+
+
+def check_learnable_gradients(param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """``check_finite_gradients`` for codebook learning outside a step (``initialize_codebook``,
+    ``refresh_codebook``): it bins every gradient in float32, so each must fit float32's range,
+    as the step requires of the gradients it computes in float32."""
+    every = {id(param): False for group in param_groups for param in group["params"]}
+    check_finite_gradients(param_groups, bounded=every)
 
 
 def check_finite_gradients(

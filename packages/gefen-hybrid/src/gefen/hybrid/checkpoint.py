@@ -34,9 +34,18 @@ def build_hybrid_state_dict(hybrid: HybridInterface) -> dict[str, Any]:
     """torch's flat layout (``gefen.hybrid.flat_layout.join``) of the children's public
     ``state_dict()`` (their hooks fire)."""
     nested: dict[str, Any] = {"muon": None, "backup": None}
-    for index, (role, participant) in enumerate(hybrid.participants):
-        with hybrid.numbering(index):  # a child's refusal names the hybrid's groups
+    offset = 0
+    for (role, participant), child in zip(hybrid.participants, hybrid.children, strict=True):
+        try:
             nested[role] = participant.state_dict()
+        except Exception as error:
+            if offset and error.args and isinstance(error.args[0], str):
+                # noted, not rewritten: the text may be a hook's own (as a load notes it)
+                where = f" [numbered within the {role}: its group g is the hybrid's "
+                error.args = (f"{error.args[0]}{where}param_groups[g + {offset}]]",
+                              *error.args[1:])  # fmt: skip
+            raise
+        offset += len(child.param_groups)
     nested["backup_optimizer"] = hybrid.backup_optimizer
     return join(nested)
 

@@ -7,7 +7,6 @@ these members, and import this protocol rather than the optimizer class, so no m
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -41,7 +40,6 @@ class HybridInterface(Protocol):
         self, muon: PreparedChildLoad | None, backup: PreparedChildLoad | None
     ) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
-    def numbering(self, index: int) -> AbstractContextManager[None]: ...
 
 
 def child_presence_mask(hybrid: HybridInterface) -> int:
