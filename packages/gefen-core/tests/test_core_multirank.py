@@ -208,6 +208,27 @@ def scenario_step_meets_other_operation(rank: int, world_size: int, other: str) 
     return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
 
 
+def scenario_operations_meet(rank: int, world_size: int, mine: str, theirs: str) -> dict[str, Any]:
+    """Rank 0 runs ``mine`` while rank 1 runs ``theirs`` (codebook calls and a state dict)."""
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(2))
+    optimizer.zero_grad()
+    model(_batch(rank, 7)).square().mean().backward()
+    actions = {
+        "initialize": optimizer.initialize_codebook,
+        "refresh": optimizer.refresh_codebook,
+        "state_dict": optimizer.state_dict,
+    }
+    before = _snapshot(optimizer)
+    elapsed, error, _ = timed(actions[mine if rank == 0 else theirs])
+    changes = _changes(optimizer, before)
+    optimizer.step()  # together again: it trains
+    return {"elapsed": elapsed, "error": error, "changes": changes, "step": optimizer.global_step}
+
+
 def scenario_one_rank_load_rejection(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.core import Gefen
     from gefen.dist import DistributedStepError
@@ -305,6 +326,9 @@ SCENARIOS = [
     ("edited_defaults", scenario_one_rank_edited_defaults, ()),
     ("step_meets_load", scenario_step_meets_other_operation, ("load",)),
     ("step_meets_state_dict", scenario_step_meets_other_operation, ("state_dict",)),
+    ("initialize_meets_state_dict", scenario_operations_meet, ("initialize", "state_dict")),
+    ("refresh_meets_state_dict", scenario_operations_meet, ("refresh", "state_dict")),
+    ("initialize_meets_refresh", scenario_operations_meet, ("initialize", "refresh")),
     ("rank_local", scenario_rank_local_refusal, ()),
     ("dcp", scenario_dcp_round_trip, ()),
 ]
@@ -400,6 +424,23 @@ def test_a_step_meeting_another_operation_says_so_on_every_rank(
     for result in world[other]:
         assert "another process-group member is in a different operation" in result["error"]
         assert result["error"].startswith("GroupAgreementError: Gefen ")
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
+        assert result["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "meeting",
+    ["initialize_meets_state_dict", "refresh_meets_state_dict", "initialize_meets_refresh"],
+)
+def test_codebook_calls_meeting_another_operation_say_so_on_every_rank(
+    world: ScenarioWorld, meeting: str
+) -> None:
+    # None of these votes agrees on anything, and the operation word digested only agreement
+    # subjects: one rank returned while the other waited in its learning all-reduce (a gloo
+    # error once the first moved on, or the process group's timeout).
+    for result in world[meeting]:
+        assert "another process-group member is in a different operation" in result["error"]
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["step"] == 3

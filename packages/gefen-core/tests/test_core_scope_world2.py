@@ -386,6 +386,22 @@ def scenario_load_while_stepping(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
+def scenario_state_dict_versus(rank: int, world_size: int, other: str) -> dict[str, Any]:
+    """Rank 0 takes a state dict while rank 1 steps, loads or initializes the codebook."""
+    scoped = Scoped(rank)
+    scoped.train(range(2))
+    saved = copy.deepcopy(scoped.opt.state_dict())
+    scoped.set_grad(3)
+    actions = {
+        "step": scoped.opt.step,
+        "load": lambda: scoped.opt.load_state_dict(saved),
+        "initialize": scoped.opt.initialize_codebook,
+    }
+    result = _rejected(scoped.opt, scoped.opt.state_dict if rank == 0 else actions[other])
+    result["after"] = _steps(scoped)
+    return result
+
+
 def scenario_codebook_edit(rank: int, world_size: int) -> dict[str, Any]:
     scoped = Scoped(rank)
     scoped.train(range(2))
@@ -713,6 +729,9 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("options_reload_Gefen", scenario_options_reload, ("Gefen",)),
     ("options_reload_GefenMuon", scenario_options_reload, ("GefenMuon",)),
     ("load_while_stepping", scenario_load_while_stepping, ()),
+    ("state_dict_vs_step", scenario_state_dict_versus, ("step",)),
+    ("state_dict_vs_load", scenario_state_dict_versus, ("load",)),
+    ("state_dict_vs_initialize", scenario_state_dict_versus, ("initialize",)),
     ("checkpoint_reload", scenario_checkpoint_codebook_reload, ()),
     ("checkpoint_binding", scenario_checkpoint_binding, ()),
     ("reversed", scenario_reversed_members, ()),
@@ -887,10 +906,41 @@ def test_closure_that_swaps_the_binding_on_rank_zero_fails_before_any_header(
     _same_after(results, 3)
 
 
-def test_refresh_on_one_rank_while_the_other_steps_fails_the_header(world: ScenarioWorld) -> None:
+def _other_operation(results: tuple[dict[str, Any], dict[str, Any]], phases: list[str]) -> None:
+    """Each rank is told, at its first vote, that the other is in a different operation (the
+    vote's operation word digests its phase; it used to digest only agreement subjects, which
+    no binding-form vote has)."""
+    for result, phase in zip(results, phases, strict=True):
+        assert result["error"] == (
+            f"GroupAgreementError: Gefen {phase}: another process-group member is in a "
+            "different operation (its vote is another phase's, or agrees on other subjects: one "
+            "steps while another saves or loads, say; nothing was changed)"
+        )
+
+
+def test_refresh_on_one_rank_while_the_other_steps_fails_the_first_vote(
+    world: ScenarioWorld,
+) -> None:
     results = _both(world, "refresh_vs_step")
-    for result in results:
-        assert result["error"] == _header_error("Gefen", "operation")
+    _other_operation(results, ["refresh preamble", "step preflight"])
+    _fast_and_unchanged(*results)
+    _same_after(results, 3)
+
+
+@pytest.mark.parametrize("other", ["step", "load", "initialize"])
+def test_a_state_dict_on_one_rank_meeting_another_operation_fails_both(
+    world: ScenarioWorld, other: str
+) -> None:
+    # The state_dict preflight's vote and the other operation's first vote carried the same
+    # operation word (0): the state_dict returned while the other rank waited in its header
+    # exchange (a gloo error, or the process group's timeout).
+    results = _both(world, f"state_dict_vs_{other}")
+    phase = {
+        "step": "step preflight",
+        "load": "load validation",
+        "initialize": "initialize preamble",
+    }
+    _other_operation(results, ["state dict preflight", phase[other]])
     _fast_and_unchanged(*results)
     _same_after(results, 3)
 
@@ -925,8 +975,7 @@ def test_a_load_on_one_rank_while_the_other_steps_fails_both_at_the_operation_wo
     world: ScenarioWorld,
 ) -> None:
     results = _both(world, "load_while_stepping")
-    for result in results:
-        assert result["error"] == _header_error("Gefen", "operation")
+    _other_operation(results, ["load validation", "step preflight"])
     _fast_and_unchanged(*results)
     _same_after(results, 3)
 

@@ -126,12 +126,13 @@ def _agreement(
     return subjects, words, None
 
 
-def _operation_word(subjects: Sequence[str]) -> int:
-    """A 56-bit digest of the vote's subjects (what its words agree on), 0 when it has none."""
-    if not any(subjects):
-        return 0
-    digest = hashlib.blake2b("|".join(subjects).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "big")
+def _operation_word(phase: str, subjects: Sequence[str]) -> int:
+    """A 56-bit digest of the vote's phase and subjects (what its words agree on): members in
+    different operations vote different words even where neither agrees on anything (a
+    ``state_dict()`` preflight against a step's in the binding form, an initialize preamble
+    against a refresh's), so neither returns while the other waits in a collective."""
+    text = "|".join((phase, *subjects))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
 def synchronize_step_error(
@@ -163,16 +164,17 @@ def synchronize_step_error(
         if error is not None:
             raise error
         return
-    # A first word names the operation by its subjects (0 without words): members in different
+    # A first word names the operation by its phase and subjects: members in different
     # operations (one steps while another saves, or loads) are told so on both sides, instead
-    # of one reading the other's words as its own first subject differing.
-    failed, same = vote_words(scope, error is not None, (_operation_word(subjects), *words))
+    # of one reading the other's words as its own first subject differing, or returning while
+    # the other waits in the collective that follows its vote.
+    failed, same = vote_words(scope, error is not None, (_operation_word(phase, subjects), *words))
     if not failed:
         if not same[0]:
             raise GroupAgreementError(
                 f"{owner_name} {phase}: another process-group member is in a different "
-                "operation (its vote agrees on other subjects, or on none: one steps while "
-                "another saves or loads, say; nothing was changed)",
+                "operation (its vote is another phase's, or agrees on other subjects: one "
+                "steps while another saves or loads, say; nothing was changed)",
                 owner_name=owner_name,
                 what="operation",
             )
