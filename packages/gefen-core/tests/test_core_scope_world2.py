@@ -913,8 +913,8 @@ def _other_operation(results: tuple[dict[str, Any], dict[str, Any]], phases: lis
     for result, phase in zip(results, phases, strict=True):
         assert result["error"] == (
             f"GroupAgreementError: Gefen {phase}: another process-group member is in a "
-            "different operation (its vote is another phase's, or agrees on other subjects: one "
-            "steps while another saves or loads, say; nothing was changed)"
+            "different operation (its vote is another optimizer's or phase's, or agrees on "
+            "other subjects: one steps while another saves or loads, say; nothing was changed)"
         )
 
 

@@ -630,7 +630,17 @@ def scenario_round_trip(rank: int, world_size: int, backend: str) -> dict[str, A
     }
 
 
+def scenario_children_differ(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1's hybrid holds the backup alone (every parameter routed to it), rank 0's both
+    children, and each takes a state dict (the torchtitan flow does before any step)."""
+    model = _model("full")
+    hybrid = _hybrid(model) if rank == 0 else _hybrid([], list(model.named_parameters()))
+    elapsed, error, _ = timed(hybrid.state_dict)
+    return {"elapsed": elapsed, "error": error, "children": hybrid.muon is not None}
+
+
 SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
+    ("children_differ", scenario_children_differ, ()),
     ("closure_gefen", scenario_closure_failure, ("gefen",)),
     ("closure_adamw", scenario_closure_failure, ("adamw",)),
     ("backup_mesh_gefen", scenario_backup_mesh, ("gefen",)),
@@ -885,3 +895,17 @@ class TestGlooWorld2:
             # Without the loaded state the same weights follow another trajectory.
             assert not all(result["control_equal"])
             assert all(result["codebooks_equal"])
+
+
+def test_hybrids_holding_other_children_fail_a_state_dict_on_every_rank(
+    world: ScenarioWorld,
+) -> None:
+    # Rank 0's Muon child's state dict vote met rank 1's backup's (the same phase, and the
+    # operation word left out the owner): rank 1 returned a state dict, and rank 0 waited in its
+    # backup's vote until the process group's timeout.
+    results = world["children_differ"]
+    assert [result["children"] for result in results] == [True, False]
+    for result, owner in zip(results, ("GefenMuon", "Gefen"), strict=True):
+        assert result["error"].startswith(f"GroupAgreementError: {owner} state dict preflight: ")
+        assert "another process-group member is in a different operation" in result["error"]
+        assert result["elapsed"] < DEADLINE_S

@@ -47,9 +47,16 @@ def _mesh(world: int, mode: str) -> Any:
 
 
 def _build(world: int, mode: str) -> tuple[Any, Any]:
+    """``mode``'s suffix: ``_narrow``/``_idle`` shapes, ``_hsdp`` mesh, ``_groups`` a group per
+    matrix."""
     model = mt.sharded(_mesh(world, mode), mt.fulls(_shapes(mode), 0))
-    sharded_mode = mode.removesuffix("_narrow").removesuffix("_hsdp").removesuffix("_idle")
-    return model, mt.sharded_muon(model, sharded_mode=sharded_mode)
+    sharded_mode = mode.split("_")[0]
+    if not mode.endswith("_groups"):
+        return model, mt.sharded_muon(model, sharded_mode=sharded_mode)
+    from gefen.muon import GefenMuon
+
+    groups = [{"params": [param]} for param in model.parameters()]  # each owned by one rank
+    return model, GefenMuon(groups, **{**mt.SCENARIO_OPTIONS, "sharded_mode": sharded_mode})
 
 
 def _train(model: Any, optimizer: Any, steps: range, mode: str = "") -> None:
@@ -178,6 +185,16 @@ def test_a_distributed_file_with_a_never_stepped_matrix_resumes_at(
 @pytest.fixture(scope="module")
 def narrow_from_four(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     return _resumes(tmp_path_factory.mktemp("muon_narrow4"), 4, (2, 3, 4), NARROW_MODES)
+
+
+def test_a_distributed_file_of_a_group_per_matrix_resumes(tmp_path: Path) -> None:
+    # The extras' initialized flags were read from each rank's live state, which holds only the
+    # matrices it owns: the ranks' copies differed, DCP kept some of each rank's, and the load
+    # refused its own file ("extras copies differ between the top level and the groups").
+    outcomes = _resumes(tmp_path, 2, (2,), modes=("distributed_groups",))
+    for result in outcomes[2]["distributed_groups"]:
+        assert _resumed(result), result
+        assert result["bitwise"]
 
 
 @pytest.mark.parametrize("mode", NARROW_MODES)
@@ -321,11 +338,13 @@ def scenario_counter_past_int64(rank: int, world_size: int) -> dict[str, Any]:
 def test_a_counter_past_int64_on_one_rank_saves_without_a_hang() -> None:
     # Rank 0 failed to pack it into the counters' MAX all-reduce, before the collective rank 1
     # was already waiting in: rank 1 hung until the process group's timeout. It saturates, so
-    # both ranks save the same value, which loads back on both.
+    # both ranks save the same value, and the load then refuses it by name on every rank.
     world = run_scenarios([("past", scenario_counter_past_int64, ())], 2, rank_deadline_s=120.0)
     for result in world["past"]:
         assert result["agreed"] == 2**63 - 1
-        assert result["outcome"]["error"] is None
+        assert "GefenMuon load validation failed" in result["outcome"]["error"]
+    errors = [result["outcome"]["error"] for result in world["past"]]
+    assert any("'normuon_step' 9223372036854775807 exceeds global_step 2" in e for e in errors)
 
 
 def _full_options() -> Any:

@@ -131,9 +131,11 @@ def build_state_dict(
         if row_sharded:  # a rank without rows of a parameter learns its counters (§9.1)
             params = [param for _, _, param in indexed]
             agree_counters(presented, params, optimizer.step_failure_scope())
-            # so the extras DCP keeps once are every rank's: initialized = stepped on the mesh
-            stepped = [i for i, entry in presented.items() if entry["step"] > 0]
-            agreed["initialized_params"] = initialized_flags(stepped, len(presented))
+        # The extras DCP keeps once must be every rank's: initialized = stepped on the mesh,
+        # read from the presented entries (a distributed GefenMuon's hold every matrix, though
+        # each rank's live state holds only the matrices it owns).
+        stepped = [i for i, entry in presented.items() if entry["step"] > 0]
+        agreed["initialized_params"] = initialized_flags(stepped, len(presented))
         for position, group, param in indexed:
             entry = presented[position]
             rows = row_sharded or optimizer.presents_rows(group, param)

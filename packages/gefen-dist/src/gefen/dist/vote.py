@@ -126,12 +126,13 @@ def _agreement(
     return subjects, words, None
 
 
-def _operation_word(phase: str, subjects: Sequence[str]) -> int:
-    """A 56-bit digest of the vote's phase and subjects (what its words agree on): members in
-    different operations vote different words even where neither agrees on anything (a
-    ``state_dict()`` preflight against a step's in the binding form, an initialize preamble
-    against a refresh's), so neither returns while the other waits in a collective."""
-    text = "|".join((phase, *subjects))
+def _operation_word(owner: str, phase: str, subjects: Sequence[str]) -> int:
+    """A 56-bit digest of the vote's owner, phase and subjects (what its words agree on):
+    members in different operations vote different words even where neither agrees on anything
+    (a ``state_dict()`` preflight against a step's in the binding form, an initialize preamble
+    against a refresh's, one hybrid's Muon child against another's backup), so neither returns
+    while the other waits in a collective."""
+    text = "|".join((owner, phase, *subjects))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
@@ -168,13 +169,15 @@ def synchronize_step_error(
     # operations (one steps while another saves, or loads) are told so on both sides, instead
     # of one reading the other's words as its own first subject differing, or returning while
     # the other waits in the collective that follows its vote.
-    failed, same = vote_words(scope, error is not None, (_operation_word(phase, subjects), *words))
+    failed, same = vote_words(
+        scope, error is not None, (_operation_word(owner_name, phase, subjects), *words)
+    )
     if not failed:
         if not same[0]:
             raise GroupAgreementError(
                 f"{owner_name} {phase}: another process-group member is in a different "
-                "operation (its vote is another phase's, or agrees on other subjects: one "
-                "steps while another saves or loads, say; nothing was changed)",
+                "operation (its vote is another optimizer's or phase's, or agrees on other "
+                "subjects: one steps while another saves or loads, say; nothing was changed)",
                 owner_name=owner_name,
                 what="operation",
             )
