@@ -276,12 +276,26 @@ def _gefenx_venv(session: nox.Session) -> dict[str, str]:
     return {"GEFENX_PYTHON": str(python)}
 
 
+def large_model_out(posargs: list[str]) -> str:
+    """The folder of ``bench``'s large-model run: ``large`` inside the ``--out`` of ``posargs``
+    (the last one given, as argparse reads it), else inside ``bench-out``."""
+    out = "bench-out"
+    for index, arg in enumerate(posargs):
+        if arg == "--out" and index + 1 < len(posargs):
+            out = posargs[index + 1]
+        elif arg.startswith("--out="):
+            out = arg.removeprefix("--out=")
+    return str(pathlib.Path(out) / "large")
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """The longer comparison (LR sweep) on the default and the large model, with the peers
     (8-/4-bit AdamW, APOLLO, Adam-mini) installed when the index offers them, then the Gefen
-    ablation and the micro-benchmark. Arguments after ``--`` go to both compare.py runs. The
-    large model takes hours on a 2-core CPU."""
+    ablation and the micro-benchmark. Arguments after ``--`` go to both compare.py runs (a
+    ``--steps`` there replaces the large run's 300); the large model's results go to the
+    ``large`` folder inside the ``--out`` given (default ``bench-out``). The large model takes
+    hours on a 2-core CPU."""
     _harness_install(session)
     for peer in PEERS:
         try:
@@ -291,8 +305,8 @@ def bench(session: nox.Session) -> None:
     env = _gefenx_venv(session)
     session.run("python", "benchmarks/compare.py", "--lr-sweep", *session.posargs, env=env)
     session.run(
-        "python", "benchmarks/compare.py", "--lr-sweep", "--model-size", "large", "--steps",
-        "300", "--out", "bench-out/large", *session.posargs, env=env,
+        "python", "benchmarks/compare.py", "--lr-sweep", "--steps", "300", *session.posargs,
+        "--model-size", "large", "--out", large_model_out(session.posargs), env=env,
     )  # fmt: skip
     session.run("python", "benchmarks/ablation.py", "--lr-sweep", "--out", "bench-out")
     session.run("python", "benchmarks/micro.py")

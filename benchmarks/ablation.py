@@ -22,7 +22,7 @@ import tempfile
 from typing import Any
 
 import compare
-from harness import environment
+from harness import chosen_names, environment
 from harness_config import (
     DEFAULT_BATCH,
     DEFAULT_EVAL_BATCHES,
@@ -35,16 +35,6 @@ from harness_config import (
 
 REFERENCE = "adamw"
 STEPS = {"tiny": 3, "default": 150, "large": 300}
-
-
-def selected(spec: str) -> list[str]:
-    if spec == "all":
-        return list(GEFEN_ABLATION)
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in names if name not in GEFEN_ABLATION]
-    if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(GEFEN_ABLATION)}")
-    return names
 
 
 def base_lr(name: str) -> float:
@@ -140,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.batch, args.eval_batches, args.threads, args.jobs) < 1:
         parser.error("--steps, --batch, --eval-batches, --threads and --jobs must be positive")
     reference = [] if args.no_reference else [REFERENCE]
-    names = [*reference, *(name for name in selected(args.variants) if name != REFERENCE)]
+    variants = chosen_names(args.variants, GEFEN_ABLATION, "variant")
+    names = [*reference, *(name for name in variants if name != REFERENCE)]
     rows = summarise(run_all(names, args))
     table = markdown(rows)
     print(table)

@@ -37,6 +37,7 @@ from harness import (
     StepMemory,
     Unavailable,
     build_optimizer,
+    chosen_names,
     compiled_graphs,
     environment,
     peak_rss_mb,
@@ -261,7 +262,13 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
         loss = lm_loss(model, tokens, size.vocab)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+            # Diverged, judged before step() for every optimizer alike: Gefen refuses a
+            # non-finite gradient by raising, where torch's optimizers would write NaN.
+            losses.append(loss.item())
+            diverged = True
+            break
         try:  # the meter brackets step() alone: forward/backward memory is not the optimizer's
             meter_now = meter if step >= measured_from else None
             step_seconds.append(timed_step(optimizer, meter_now, device))
@@ -270,11 +277,11 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
                 return {"optimizer": name, "skipped": f"not usable here: {error!r}"[:300]}
             raise
         losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            diverged = True
-            break
         if step + 1 in checkpoints:
             eval_curve.append([step + 1, evaluate()])
+            if not math.isfinite(eval_curve[-1][1]):  # this step's update blew the model up
+                diverged = True
+                break
             progress.set_postfix(loss=f"{losses[-1]:.3f}", eval=f"{eval_curve[-1][1]:.3f}")
     progress.close()
     wall = time.perf_counter() - started
@@ -291,9 +298,9 @@ def train_one(name: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
         "diverged": diverged,
         "state_bytes": state_bytes(optimizer),
         "state_bytes_per_param": state_bytes(optimizer) / parameters,
-        "step_ms_median": 1000 * statistics.median(timed),
-        "step_ms_min": 1000 * min(timed),
-        "step_ms_first": 1000 * step_seconds[0],
+        "step_ms_median": 1000 * statistics.median(timed) if timed else None,
+        "step_ms_min": 1000 * min(timed) if timed else None,
+        "step_ms_first": 1000 * step_seconds[0] if step_seconds else None,
         "timed_steps": len(timed),
         **meter.fields(parameters),
         "peak_rss_mb": peak_rss_mb(),
@@ -392,14 +399,23 @@ def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return min(finite, key=lambda run: float(run["eval_loss"]))
 
 
+MIN_SEEDS_FOR_LOSS = 3
+"""A loss target is judged on the mean of at least this many seeds (docs/quality.md)."""
+
+
 def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """docs/quality.md "Numbers to reach" and the step-time targets of harness_config, each met
     (True), not met (False) or not measured (None)."""
     pinned = args.model_size == "default"
     scope = "" if pinned else " (model is not the pinned default: indicative only)"
     at = "each one's best LR of the sweep" if args.lr_sweep else "the default LRs (no sweep)"
-    if len(seed_list(args)) > 1:
+    seeds = len(seed_list(args))
+    if seeds > 1:
         at += f", held-out loss the mean of seeds {args.seeds}"
+    # docs/quality.md: the seed moves a loss gap by about 1%, as much as the targets themselves.
+    judged = seeds >= MIN_SEEDS_FOR_LOSS
+    if not judged:
+        at += f"; not judged on {seeds} seed(s), a direction only: --seeds 0,1,2 judges it"
     rows: list[dict[str, Any]] = []
 
     def add(what: str, target: str, value: float | None, met: bool | None, note: str) -> None:
@@ -431,8 +447,8 @@ def targets(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
             what,
             f"within {tolerance:.0%} (relative gap <= {tolerance})",
             gap,
-            None if gap is None else gap <= tolerance,
-            f"target, at {at}",
+            None if gap is None or not judged else gap <= tolerance,
+            f"target, at {at}" + scope,
         )
     for what, ours, reference, limit in (
         ("Gefen step time vs fused AdamW", "gefen", "adamw", GEFEN_STEP_RATIO_MODEL),
@@ -569,16 +585,6 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
     plt.close(figure)
 
 
-def selected(spec: str) -> list[str]:
-    if spec == "all":
-        return list(OPTIMIZERS)
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in names if name not in OPTIMIZERS]
-    if unknown:
-        raise SystemExit(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
-    return names
-
-
 def parent(args: argparse.Namespace) -> int:
     try:
         import matplotlib  # noqa: F401
@@ -590,7 +596,7 @@ def parent(args: argparse.Namespace) -> int:
     size = MODEL_SIZES[args.model_size]
     _, corpus = load_corpus()
     names, skipped = [], []
-    for name in selected(args.optimizers):
+    for name in chosen_names(args.optimizers, OPTIMIZERS, "optimizer"):
         reason = peer_missing(name)
         if reason is None:
             names.append(name)
@@ -631,7 +637,9 @@ def parent(args: argparse.Namespace) -> int:
     adamw_ms = best.get("adamw", {}).get("step_ms_median")
     for row in best.values():
         row["step_time_ratio_vs_adamw"] = (
-            None if adamw_ms is None else row["step_ms_median"] / adamw_ms
+            None
+            if adamw_ms is None or row["step_ms_median"] is None
+            else row["step_ms_median"] / adamw_ms
         )
     rows = [best[name] for name in names if name in best]
     goals = targets(best, args)

@@ -385,10 +385,18 @@ def state_bytes(optimizer: Any) -> int:
     return total
 
 
+_PEAK_BEFORE_RESETS = 0
+"""The largest VmHWM (bytes) read just before a reset: StepMemory's resets of VmHWM also reset
+ru_maxrss (both are the kernel's one high-water mark), so the process's peak is the largest of
+this and the counter now."""
+
+
 def peak_rss_mb() -> float:
-    """This process's peak resident set size in MiB (ru_maxrss only grows)."""
+    """This process's peak resident set size in MiB since it started, across StepMemory's resets
+    of the high-water mark."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+    peak_bytes = peak if sys.platform == "darwin" else peak * 1024
+    return max(peak_bytes, _PEAK_BEFORE_RESETS) / (1024 * 1024)
 
 
 # glibc serves every allocation of at least this many bytes with its own mmap and unmaps it on
@@ -421,7 +429,9 @@ def _status_bytes(field: str) -> int:
 
 
 def _reset_peak_rss() -> None:
-    """VmHWM := the current RSS (Linux >= 4.0)."""
+    """VmHWM := the current RSS (Linux >= 4.0), the peak so far kept for ``peak_rss_mb``."""
+    global _PEAK_BEFORE_RESETS
+    _PEAK_BEFORE_RESETS = max(_PEAK_BEFORE_RESETS, _status_bytes("VmHWM"))
     with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
         handle.write("5")
 
@@ -513,12 +523,29 @@ def timed_step(
     return seconds
 
 
+def chosen_names(spec: str, known: Iterable[str], what: str) -> list[str]:
+    """``--optimizers a,b`` (or ``all``) as names in ``known``: spaces stripped, a repeated name
+    kept once; an unknown one exits naming it and ``what`` it should have been."""
+    known = list(known)
+    if spec.strip() == "all":
+        return known
+    names = list(dict.fromkeys(name.strip() for name in spec.split(",") if name.strip()))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}(s) {unknown}; choose from {', '.join(known)}")
+    if not names:
+        raise SystemExit(f"no {what} named in {spec!r}; choose from {', '.join(known)}")
+    return names
+
+
 def print_targets(title: str, goals: list[dict[str, Any]]) -> None:
-    """Target rows (``what``, ``target``, ``value``, ``met``, ``note``) as met / NOT MET lines."""
+    """Target rows (``what``, ``target``, ``value``, ``met``, ``note``) as met / NOT MET lines
+    (a value with ``met`` None: measured, but the note says why it is not judged)."""
     print()
     print(title)
     for goal in goals:
-        verdict = {True: "met", False: "NOT MET", None: "not measured"}[goal["met"]]
+        unjudged = "not measured" if goal["value"] is None else "not judged"  # see its note
+        verdict = {True: "met", False: "NOT MET", None: unjudged}[goal["met"]]
         value = "-" if goal["value"] is None else format(goal["value"], ".4g")
         print(f"  [{verdict:^12}] {goal['what']}: {value} (need {goal['target']}; {goal['note']})")
 

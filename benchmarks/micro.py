@@ -44,6 +44,7 @@ from harness import (
     StepMemory,
     Unavailable,
     build_optimizer,
+    chosen_names,
     environment,
     peer_missing,
     print_targets,
@@ -349,10 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--repeats and --threads must be positive, --warmup not negative")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
-    args.names = list(OPTIMIZERS) if args.optimizers == "all" else args.optimizers.split(",")
-    unknown = [name for name in args.names if name not in OPTIMIZERS]
-    if unknown:
-        parser.error(f"unknown optimizer(s) {unknown}")
+    args.names = chosen_names(args.optimizers, OPTIMIZERS, "optimizer")
     args.cases = [case.strip() for case in args.sizes.split(",") if case.strip()]
     try:
         for case in args.cases:
