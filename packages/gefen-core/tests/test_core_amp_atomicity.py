@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -202,7 +204,8 @@ def test_step_supports_amp_scaling() -> None:
 
 def test_commit_failure_latches_until_load(monkeypatch) -> None:
     optimizer, _a, _b = _trained(2)
-    saved = optimizer.state_dict()
+    handed_out = optimizer.state_dict()  # shares the live tensors the failed commit may write
+    saved = copy.deepcopy(handed_out)
     real = Gefen._commit_step
 
     def broken(self, plan):
@@ -215,6 +218,9 @@ def test_commit_failure_latches_until_load(monkeypatch) -> None:
     for action in (optimizer.step, optimizer.initialize_codebook, optimizer.refresh_codebook):
         with pytest.raises(RuntimeError, match="previous step failed during commit"):
             action()
+    with pytest.raises(ValueError, match="a step that failed during its commit wrote in part"):
+        optimizer.load_state_dict(handed_out)  # the live values, which no checkpoint holds
+    assert optimizer.latched
     optimizer.load_state_dict(saved)
     optimizer.step()
     assert optimizer.global_step == 3

@@ -7,6 +7,7 @@ silently); it now latches it until a valid checkpoint loads (docs/core.md §8.2)
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable
 
 import pytest
@@ -348,3 +349,72 @@ def test_while_latched_by_an_in_place_refusal_a_dict_of_the_refused_values_is_re
     optimizer.load_state_dict(saved)
     _train(model, optimizer, 1)
     assert all(torch.isfinite(param).all() for param in model.parameters())
+
+
+# -- a commit that failed part-way -----------------------------------------------------------
+
+FAILED_COMMIT_KINDS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
+    **BUILDERS,
+    "gefen_fp32": lambda model: Gefen(model.parameters(), lr=1e-2, momentum_codec="none"),
+    "hybrid_adamw": lambda model: GefenMuonHybrid.from_model(
+        model, lr=1e-2, backup_optimizer="adamw"
+    ),
+}
+
+
+def _commit_one_unit_then_fail(real: Callable[..., None]) -> Callable[..., None]:
+    """A ``_commit_step`` that writes the first unit of the plan (a Gefen parameter, a Muon
+    matrix) and then fails, as an out-of-memory error part-way through the commit would."""
+
+    def commit(self: object, plan: object) -> None:
+        if hasattr(plan, "updates"):  # Gefen's plan: the updates and their scalars
+            scalars = plan.scalars  # type: ignore[attr-defined]
+            real(self, types.SimpleNamespace(updates=list(plan.updates)[:1], scalars=scalars))
+        else:  # GefenMuon's plan: its units
+            real(self, list(plan)[:1])  # type: ignore[call-overload]
+        raise RuntimeError("injected failure after the first unit of the commit")
+
+    return commit
+
+
+@pytest.mark.parametrize("kind", FAILED_COMMIT_KINDS)
+def test_after_a_commit_failed_part_way_a_dict_sharing_the_live_state_is_refused(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``state_dict()`` handed out before a step whose commit then failed part-way shares
+    live tensors the commit wrote in part. Its load was accepted (the failed commit's writes
+    read as a DCP template filled in place, so the staleness rule was skipped), cleared the
+    latch and left the optimizer training on the failed step's partial writes beside the old
+    counts. It is refused by name, nothing changes, and a copy of the checkpoint resumes as an
+    uninterrupted run from it does."""
+    from gefen.dist.testing import deep_snapshot, snapshot_diff
+
+    build = FAILED_COMMIT_KINDS[kind]
+    model = _model()
+    optimizer = build(model)
+    _train(model, optimizer, 2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    handed_out = optimizer.state_dict()
+    shell = optimizer.children[0] if isinstance(optimizer, GefenMuonHybrid) else optimizer
+    real = type(shell)._commit_step
+    monkeypatch.setattr(type(shell), "_commit_step", _commit_one_unit_then_fail(real))
+    model(torch.randn(8, 16)).square().mean().backward()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        optimizer.step()
+    monkeypatch.undo()
+    model.zero_grad()
+    assert optimizer.latched
+    before = deep_snapshot(optimizer)
+    with pytest.raises(ValueError, match="a step that failed during its commit wrote in part"):
+        optimizer.load_state_dict(handed_out)
+    assert snapshot_diff(before, deep_snapshot(optimizer)) == []
+    assert optimizer.latched
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(saved)
+    assert not optimizer.latched
+    reference = _model()
+    reference.load_state_dict(weights)
+    reference_optimizer = build(reference)
+    reference_optimizer.load_state_dict(copy.deepcopy(saved))
+    _assert_continues_alike((model, optimizer), (reference, reference_optimizer))

@@ -367,7 +367,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
             self._commit_step(plan)
             self._global_step += 1
         except BaseException:
-            self._commit_failed = True
+            self.latch_failed_commit()
             raise
         if kept:  # the step's own writes are no foreign ones to what state_dict() handed out
             self.renote(kept)

@@ -36,6 +36,7 @@ from gefen.dist.torch_internals import (
 )
 
 __all__ = [
+    "FAILED_COMMIT_VALUES",
     "IN_PLACE_REFUSAL",
     "REFUSED_VALUES",
     "STEP_SIGNATURE",
@@ -68,13 +69,24 @@ class HookedStepState(HandOutNotes):
         return bool(self._commit_failed)
 
     @property
-    def holds_refused_load(self) -> bool:
-        """Whether a refused load written in place latched it (its live state holds the values)."""
-        return self._commit_failed == IN_PLACE_REFUSAL
+    def live_values_refusal(self) -> str | None:
+        """Why a load may not take the live state tensors' own values back, or None: a refused
+        load written in place (``REFUSED_VALUES``) or a commit that failed part-way
+        (``FAILED_COMMIT_VALUES``) left values in them that no checkpoint holds."""
+        if self._commit_failed == IN_PLACE_REFUSAL:
+            return REFUSED_VALUES
+        return FAILED_COMMIT_VALUES if self._commit_failed is True else None
 
     def latch(self, reason: str) -> None:
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
         self._commit_failed = reason
+
+    def latch_failed_commit(self) -> None:
+        """A commit failed part-way: refuse every step until a load succeeds, and take the
+        hand-out note off, so that the part-written live tensors a ``state_dict()`` handed out
+        never read as a DCP template filled in place (``run_load``)."""
+        self._commit_failed = True
+        self.note_commit()
 
     def latch_message(self, failed_commit: str) -> str:
         """Why every step is refused: the ``latch`` reason, else ``failed_commit``'s words."""
@@ -132,7 +144,7 @@ class LoadParticipant(Protocol):
     OWNER_NAME: ClassVar[str]
 
     @property
-    def holds_refused_load(self) -> bool: ...
+    def live_values_refusal(self) -> str | None: ...
     def guarded_operation(self) -> GuardedOperation: ...
     def check_not_stale(self, incoming: object) -> None: ...
     def written_in_place(self, incoming: object) -> bool: ...
@@ -153,6 +165,12 @@ REFUSED_VALUES = (
     "this state dict shares the optimizer's live state tensors, which hold a refused load's "
     "values (the optimizer is latched), and it was not filled again since; fill it again "
     "(dcp.load), or load a copy or a file"
+)
+
+FAILED_COMMIT_VALUES = (
+    "this state dict shares the optimizer's live state tensors, which a step that failed during "
+    "its commit wrote in part (the optimizer is latched), and it was not filled again since; "
+    "load a copy or a file, or fill it again (dcp.load)"
 )
 
 
@@ -296,20 +314,21 @@ def run_load(
     place): the optimizer holds the refused values already, so the refusal latches it
     (``IN_PLACE_REFUSAL``) rather than let it train on them, and renotes it (a stale dict
     loaded next is no template written in place). While so latched, a dict that shares the live
-    tensors without being filled again holds the refused values: refused (``REFUSED_VALUES``).
-    The optimizer's own writes since the hand-out (steps, loads, codebook publications) are
-    renoted, so they count as none."""
+    tensors without being filled again holds the refused values: refused (``REFUSED_VALUES``),
+    as is one after a commit that failed part-way (``FAILED_COMMIT_VALUES``). The optimizer's
+    own writes since the hand-out (steps, loads, codebook publications) are renoted, so they
+    count as none."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
             return run_load(optimizer, prepare, incoming)
     in_place = incoming is not None and optimizer.written_in_place(incoming)
-    refused_values = not in_place and optimizer.holds_refused_load
+    refused_values = None if in_place else optimizer.live_values_refusal
     op = optimizer.guarded_operation()
 
     def checked() -> PreparedLoadLike:
         prepared = prepare()  # its own refusals first: these rules are the last
-        if refused_values and optimizer.shares_live_state(incoming):
-            raise ValueError(f"{optimizer.OWNER_NAME} checkpoint: {REFUSED_VALUES}")
+        if refused_values is not None and optimizer.shares_live_state(incoming):
+            raise ValueError(f"{optimizer.OWNER_NAME} checkpoint: {refused_values}")
         if not in_place:  # a DCP template filled in place holds the file's counts, not stale
             optimizer.check_not_stale(incoming)
         return prepared

@@ -451,7 +451,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         except BaseException:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit
             if done > 0 or getattr(self._participants[done][1], "latched", True):
-                self._commit_failed = True
+                self.latch_failed_commit()
             raise
         finally:
             self.writing_children = False
