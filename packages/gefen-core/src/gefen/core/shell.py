@@ -52,7 +52,6 @@ from gefen.dist.torch_internals import HOOK_REGISTRIES, set_grad_enabled, state_
 
 __all__ = ["OptimizerShell", "PreparedLoad", "amp_scaling_supported"]
 
-_LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
 _LAST_STEP = "global_step is 2**63 - 1, the last a checkpoint can hold (it must be below 2**63)"
 
 
@@ -206,10 +205,6 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         self._local_operation = op if not op.scope and plain_parameters(self.param_groups) else None
         return op
 
-    def check_latch(self) -> None:
-        if self._commit_failed:
-            raise RuntimeError(self.latch_message(f"{self.OWNER_NAME}: {_LATCHED}"))
-
     def validate_step_inputs(self, *, amp_present: bool) -> None:
         """Rank-local, no collective, no mutation: latch, options, §7.2 checks, kernels; the
         structural ones only when the steady-state token changed (``gefen.core.steady``)."""
@@ -309,7 +304,8 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         """Symmetric agreement checks after the vote: none for Gefen."""
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
-        """Phases 4–5 only: stage (collectives allowed), then commit; a commit failure latches."""
+        """Phases 4–5 only: stage (collectives allowed), then commit. A commit failure latches,
+        and so does a staging failure across ranks (``latch_unvoted_failure``)."""
         op = operation if operation is not None else self.guarded_operation()
         grad_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)  # torch.no_grad() without its Python context-manager calls
@@ -319,6 +315,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
                 return
             plan = self._prepare_step(op, learning)
             self._commit(learning, plan)
+        except BaseException:
+            if not self._commit_failed:  # phase 4: nothing written, but perhaps on one rank
+                self.latch_unvoted_failure(op)
+            raise
         finally:
             set_grad_enabled(grad_enabled)
 

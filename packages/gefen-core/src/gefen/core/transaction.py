@@ -38,7 +38,9 @@ from gefen.dist.torch_internals import (
 __all__ = [
     "FAILED_COMMIT_VALUES",
     "IN_PLACE_REFUSAL",
+    "LATCHED",
     "REFUSED_VALUES",
+    "STAGING_FAILED",
     "STEP_SIGNATURE",
     "HookedStepState",
     "LoadParticipant",
@@ -81,6 +83,14 @@ class HookedStepState(HandOutNotes):
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
         self._commit_failed = reason
 
+    def latch_unvoted_failure(self, operation: GuardedOperation) -> None:
+        """A step failed after its votes, in phase 4 (staging), before its commit wrote
+        anything. In one process nothing changed. Across ranks the failure may be this rank's
+        alone, unvoted, while the others commit the step: latch (``STAGING_FAILED``), so the
+        next step fails on every rank (its vote) until each loads a checkpoint."""
+        if operation.scope:
+            self._commit_failed = STAGING_FAILED
+
     def latch_failed_commit(self) -> None:
         """A commit failed part-way: refuse every step until a load succeeds, and take the
         hand-out note off, so that the part-written live tensors a ``state_dict()`` handed out
@@ -88,10 +98,12 @@ class HookedStepState(HandOutNotes):
         self._commit_failed = True
         self.note_commit()
 
-    def latch_message(self, failed_commit: str) -> str:
-        """Why every step is refused: the ``latch`` reason, else ``failed_commit``'s words."""
+    def check_latch(self) -> None:
+        """Raise while latched: a commit failed part-way, or ``latch`` said why."""
         latched = self._commit_failed
-        return f"{self.OWNER_NAME}: {latched}" if isinstance(latched, str) else failed_commit
+        if latched:
+            reason = latched if isinstance(latched, str) else LATCHED
+            raise RuntimeError(f"{self.OWNER_NAME}: {reason}")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -165,6 +177,13 @@ REFUSED_VALUES = (
     "this state dict shares the optimizer's live state tensors, which hold a refused load's "
     "values (the optimizer is latched), and it was not filled again since; fill it again "
     "(dcp.load), or load a copy or a file"
+)
+
+LATCHED = "previous step failed during commit; load a checkpoint with load_state_dict to continue"
+
+STAGING_FAILED = (
+    "a distributed step failed on this rank after its vote, while staging (phase 4), so the "
+    "other ranks may have committed it; load a checkpoint on every rank to continue"
 )
 
 FAILED_COMMIT_VALUES = (

@@ -66,12 +66,6 @@ def _distinct(params: Any) -> list[Tensor]:
     return list(seen.values())
 
 
-_LATCHED = (
-    "GefenMuonHybrid: previous step failed during commit; load a checkpoint with "
-    "load_state_dict to continue"
-)
-
-
 class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
     """Muon for hidden matrices, Gefen (or AdamW) for the rest, as one torch optimizer.
 
@@ -371,8 +365,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         return self._commits + sum(getattr(child, "commit_count", 0) for child in self.children)
 
     def check_latch(self) -> None:
-        if self._commit_failed:
-            raise RuntimeError(self.latch_message(_LATCHED))
+        super().check_latch()
         self.check_layout()
 
     def validate_step_inputs(self, *, amp_present: bool) -> None:
@@ -437,7 +430,8 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
 
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None:
         """Phases 4–5 child by child (Muon first). A failure once a commit began latches the
-        hybrid; one in the first child's read-only phase 4 leaves it as it was."""
+        hybrid; one in the first child's read-only phase 4 leaves it as it was in one process,
+        and latches it across ranks (``latch_unvoted_failure``)."""
         op = operation if operation is not None else self.guarded_operation()
         done, kept = 0, self.current_note()  # kept: what state_dict() handed out, if current
         self.writing_children = True  # they leave the note to this step's one renote
@@ -450,8 +444,10 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
             self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
         except BaseException:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit
-            if done > 0 or getattr(self._participants[done][1], "latched", True):
+            if done > 0 or getattr(self._participants[done][1], "live_values_refusal", True):
                 self.latch_failed_commit()
+            else:  # the first child's phase 4: nothing written, but perhaps on one rank alone
+                self.latch_unvoted_failure(op)
             raise
         finally:
             self.writing_children = False
