@@ -816,3 +816,37 @@ def test_closure_failure_propagates_unchanged_and_mutates_nothing() -> None:
         raise KeyError("closure failure")
 
     _rejects(optimizer, lambda: optimizer.step(closure), KeyError, "closure failure")
+
+
+@pytest.mark.parametrize("codec", ["none", "codebook8"])
+def test_a_parameter_cast_after_its_state_exists_is_refused_by_name_and_nothing_latches(
+    codec: str,
+) -> None:
+    """``model.to(torch.bfloat16)`` after a step: with codec "none" the momentum buffer is in the
+    parameter's dtype, so the step must refuse it up front. The entry check that says so was
+    skipped (its cached signature kept the shape, not the dtype): the step failed inside its
+    commit with torch's bare lerp error and latched the optimizer, even once cast back."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 24))
+    v = torch.nn.Parameter(torch.randn(16, 8))
+    optimizer = GefenMuon([w, v], lr=1e-2, momentum_codec=codec)
+    for _ in range(2):  # the second step's checks record the initialized entries' signatures
+        w.grad, v.grad = torch.randn_like(w), torch.randn_like(v)
+        optimizer.step()
+    w.data = w.data.to(torch.bfloat16)
+    w.grad, v.grad = torch.randn(16, 24, dtype=torch.bfloat16), torch.randn_like(v)
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    v_before = v.detach().clone()
+    if codec == "none":
+        with pytest.raises(RuntimeError, match=r"parameter param_groups\[0\]\[0\]: state does "
+                           r"not match parameter \(entry: 'momentum_buffer' must be "
+                           r"torch.bfloat16"):  # fmt: skip
+            optimizer.step()
+        assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+        assert torch.equal(v.detach(), v_before)
+        assert not optimizer.latched
+        w.data = w.data.float()
+        w.grad = torch.randn_like(w)
+    optimizer.step()  # codebook8 keeps no dtype-bound state: the cast steps; "none" cast back
+    assert optimizer.global_step == 3
+    assert torch.isfinite(w.float()).all()

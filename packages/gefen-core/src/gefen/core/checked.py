@@ -172,7 +172,8 @@ def entry_signature(
         else:  # the commit advances the counters: their presence here, their values below
             values.append((key,))
     codec = group.get("momentum_codec")
-    identity = (id(param), id(group), id(entry), id(local), local.shape, param.dim(), codec)
+    ids = (id(param), id(group), id(entry), id(local))
+    identity = (*ids, local.shape, local.dtype, param.dim(), codec)  # dtype: a cast keeps the rest
     return (identity, tuple(values), _Held(tuple(held)))
 
 
