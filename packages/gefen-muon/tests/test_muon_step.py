@@ -850,3 +850,33 @@ def test_a_parameter_cast_after_its_state_exists_is_refused_by_name_and_nothing_
     optimizer.step()  # codebook8 keeps no dtype-bound state: the cast steps; "none" cast back
     assert optimizer.global_step == 3
     assert torch.isfinite(w.float()).all()
+
+
+@pytest.mark.parametrize("shape", [(384,), (), (4, 8, 12)], ids=["1-D", "0-D", "3-D"])
+@pytest.mark.parametrize("stepped", [False, True], ids=["pristine", "stepped"])
+def test_a_matrix_turned_into_another_rank_is_refused_by_name_at_save(
+    shape: tuple[int, ...], stepped: bool
+) -> None:
+    """``p.data = flat`` (a ZeRO-style partition) after construction: ``step()`` refuses it by
+    name; ``state_dict()`` raised a bare ``IndexError`` from the matrix shape of the entry (or,
+    for a 3-D tensor, named a period against rows × columns). It now refuses it by name too,
+    before anything is built, and saves again once the matrix is back."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 24))
+    optimizer = GefenMuon([w], lr=1e-2)
+    if stepped:
+        w.grad = torch.randn_like(w)
+        optimizer.step()
+    matrix = w.data
+    w.data = torch.randn(shape)
+    before = deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES)
+    with pytest.raises(ValueError, match=rf"GefenMuon found a {len(shape)}-D parameter "
+                       r"param_groups\[0\]\[0\] at save time"):  # fmt: skip
+        optimizer.state_dict()
+    assert_unchanged(before, deep_snapshot(optimizer, attributes=SNAPSHOT_ATTRIBUTES))
+    w.data = matrix
+    saved = optimizer.state_dict()
+    assert len(saved["state"]) == 1
+    w.grad = torch.randn_like(w)
+    optimizer.step()
+    assert optimizer.global_step == (2 if stepped else 1)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gefen.core.options import group_uses_codebook
 from gefen.core.state import CodecKeys, counters_fit, entry_matches, is_initialized
-from gefen.core.validation import local_tensor, parameter_label
+from gefen.core.validation import check_matrix, local_tensor, parameter_label
 from gefen.dist.torch_internals import tensor_version
 
 if TYPE_CHECKING:
@@ -186,6 +186,9 @@ def match_changed_entries(
     matched: dict[int, tuple[Any, ...]] = {}
     for group_index, group in enumerate(optimizer.param_groups):
         for position, param in enumerate(group["params"]):
+            if optimizer.REQUIRE_2D and param.dim() != 2:  # a save's check (a step's ran already)
+                label = parameter_label(group, group_index, position)
+                check_matrix(label, param, optimizer.OWNER_NAME, when="save")
             entry = optimizer.state.get(param)  # a parameter replaced in a group has none yet
             if entry is None or (entry.get("period", 0) == 0 and not is_initialized(entry)):
                 continue

@@ -33,6 +33,7 @@ class ShellInterface(Protocol):
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]]
     TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]]
     CODEC_KEYS: ClassVar[CodecKeys]
+    REQUIRE_2D: ClassVar[bool]
     POST_SHARDING_LAYOUTS: ClassVar[tuple[Any, ...]]
     TEMPLATE_COMPLETE: ClassVar[bool]
     state: defaultdict[Tensor, Any]

@@ -23,6 +23,7 @@ __all__ = [
     "amp_scaling_supported",
     "check_finite_gradients",
     "check_learnable_gradients",
+    "check_matrix",
     "iter_parameters",
     "overlaps_itself",
     "parameter_label",
@@ -134,13 +135,20 @@ def overlaps_itself(tensor: Tensor) -> bool:
     return False
 
 
-def _check_parameter(label: str, param: Tensor, owner: str, require_2d: bool) -> None:
-    if require_2d and param.dim() != 2:
+def check_matrix(label: str, param: Tensor, owner: str, *, when: str = "step") -> None:
+    """GefenMuon's rule: every parameter stays 2-D, with or without a gradient, at a step and at
+    a save (``when``), since its state is a matrix's."""
+    if param.dim() != 2:
         raise ValueError(
-            f"{owner} found a {param.dim()}-D parameter {label} at step time: a wrapper (e.g. "
+            f"{owner} found a {param.dim()}-D parameter {label} at {when} time: a wrapper (e.g. "
             "DeepSpeed ZeRO's 1-D fp32 partitions) replaced the parameters; Muon cannot be "
             "applied to a flat partition; use plain Gefen"
         )
+
+
+def _check_parameter(label: str, param: Tensor, owner: str, require_2d: bool) -> None:
+    if require_2d:
+        check_matrix(label, param, owner)
     if param.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(
             f"parameter {label} has an unsupported dtype {param.dtype} "
