@@ -190,12 +190,17 @@ def match_changed_entries(
                 label = parameter_label(group, group_index, position)
                 check_matrix(label, param, optimizer.OWNER_NAME, when="save")
             entry = optimizer.state.get(param)  # a parameter replaced in a group has none yet
-            if entry is None or (entry.get("period", 0) == 0 and not is_initialized(entry)):
+            if entry is None:
                 continue
-            signature = entry_signature(group, param, entry)
-            if previous.get(id(param)) != signature or not counters_fit(entry):
+            signature, before = entry_signature(group, param, entry), previous.get(id(param))
+            if entry.get("period", 0) == 0 and not is_initialized(entry):
+                matched[id(param)] = signature  # the shape its first update lays the state out for
+                continue
+            if before != signature or not counters_fit(entry):
                 # the codec first: an edited codec also changes the shapes the spec expects
-                reason = _codec_mismatch(entry, group, optimizer.CODEC_KEYS)
+                reason = _reshaped(before, signature) or _codec_mismatch(
+                    entry, group, optimizer.CODEC_KEYS
+                )
                 if reason is None:
                     reason = entry_matches(entry, optimizer.entry_spec(group, param))
                 if reason is not None:
@@ -205,6 +210,19 @@ def match_changed_entries(
                     )
             matched[id(param)] = signature
     return matched
+
+
+def _reshaped(before: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str | None:
+    """Why a parameter given another shape since its entry was last checked (``p.data = x``)
+    no longer fits it, or None: the same entry's blocks (or rows and columns) are the old
+    shape's, and a block family of the same element count would step on them unnoticed. A
+    pristine entry's record holds the shape its first update lays it out for."""
+    if before is None or before[0][2] != now[0][2]:  # another entry (a load): nothing to compare
+        return None
+    old_shape, new_shape = before[0][4], now[0][4]
+    if old_shape == new_shape:
+        return None
+    return f"the parameter's shape changed from {tuple(old_shape)} to {tuple(new_shape)}"
 
 
 def _codec_mismatch(
