@@ -643,7 +643,7 @@ def scenario_injected(rank: int, world_size: int, where: str) -> dict[str, Any]:
     if where == "staging":
         scoped.train(range(2))
     scoped.set_grad(4)
-    name = "solve_new_codebook" if where == "solve" else "remap_table"
+    name = "remap_table" if where == "staging" else "solve_new_codebook"
     original = getattr(scoped_module, name)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
@@ -651,12 +651,17 @@ def scenario_injected(rank: int, world_size: int, where: str) -> dict[str, Any]:
 
     if rank == 0:
         setattr(scoped_module, name, broken)
-    operation = scoped.opt.initialize_codebook if where == "solve" else scoped.opt.refresh_codebook
+    operation = {
+        "solve": scoped.opt.initialize_codebook,
+        "staging": scoped.opt.refresh_codebook,
+        "step_solve": scoped.opt.step,  # the first step learns: its phase 4 votes the solve
+    }[where]
     try:
         result = _rejected(scoped.opt, operation)
     finally:
         setattr(scoped_module, name, original)
-    result["retry"] = operation()
+    result["latched"] = scoped.opt.latched
+    result["retry"] = operation() if where != "step_solve" else scoped.opt.step() is None
     result["codebook"] = scoped.codebook()
     result["after"] = _steps(scoped)
     return result
@@ -752,6 +757,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("steady_presence_muon", scenario_presence_steady, ("replicated", "GefenMuon")),
     ("solve", scenario_injected, ("solve",)),
     ("staging", scenario_injected, ("staging",)),
+    ("step_solve", scenario_injected, ("step_solve",)),
     ("codes_crafted", scenario_refresh_codes, (True,)),
     ("codes_learned", scenario_refresh_codes, (False,)),
 ]
@@ -1165,14 +1171,22 @@ def test_an_empty_flattened_shard_does_not_take_part_in_the_presence_words(
 
 @pytest.mark.parametrize(
     ("where", "phase", "global_step"),
-    [("solve", "codebook solve", 1), ("staging", "momentum requantization staging", 3)],
+    [
+        ("solve", "codebook solve", 1),
+        ("staging", "momentum requantization staging", 3),
+        ("step_solve", "codebook solve", 2),
+    ],
 )
 def test_injected_failure_in_a_learning_phase_fails_every_rank(
     world: ScenarioWorld, where: str, phase: str, global_step: int
 ) -> None:
+    """A voted failure changes nothing on any rank and the operation is retried as is: the
+    step's own learning (phase 4, after the step's vote) latched every rank for a while, as
+    if the failure had been one rank's alone (docs/dist.md §4, §9.5)."""
     results = _both(world, where)
     _voted(results, "Gefen", phase, INJECTED)
     first, second = results
+    assert first["latched"] is second["latched"] is False
     assert first["retry"] is second["retry"] is True
     assert first["codebook"] == second["codebook"]
     _same_after(results, global_step)

@@ -7,6 +7,7 @@ silently); it now latches it until a valid checkpoint loads (docs/core.md §8.2)
 from __future__ import annotations
 
 import copy
+import pathlib
 import types
 from collections.abc import Callable
 
@@ -377,16 +378,19 @@ def _commit_one_unit_then_fail(real: Callable[..., None]) -> Callable[..., None]
     return commit
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP in one process, without a group
+@pytest.mark.parametrize("refill", [False, True], ids=["copy", "refilled"])
 @pytest.mark.parametrize("kind", FAILED_COMMIT_KINDS)
 def test_after_a_commit_failed_part_way_a_dict_sharing_the_live_state_is_refused(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, refill: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     """A ``state_dict()`` handed out before a step whose commit then failed part-way shares
     live tensors the commit wrote in part. Its load was accepted (the failed commit's writes
     read as a DCP template filled in place, so the staleness rule was skipped), cleared the
     latch and left the optimizer training on the failed step's partial writes beside the old
-    counts. It is refused by name, nothing changes, and a copy of the checkpoint resumes as an
-    uninterrupted run from it does."""
+    counts. It is refused by name, nothing changes, and a copy of the checkpoint, or that same
+    dict once ``dcp.load`` filled it again from a file, resumes as an uninterrupted run from the
+    checkpoint does (the refilled one was refused too, for a while)."""
     from gefen.dist.testing import deep_snapshot, snapshot_diff
 
     build = FAILED_COMMIT_KINDS[kind]
@@ -411,7 +415,14 @@ def test_after_a_commit_failed_part_way_a_dict_sharing_the_live_state_is_refused
     assert snapshot_diff(before, deep_snapshot(optimizer)) == []
     assert optimizer.latched
     model.load_state_dict(weights)
-    optimizer.load_state_dict(saved)
+    if refill:  # the dict handed out before the failure, filled again from a file in place
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(saved, checkpoint_id=str(tmp_path))
+        dcp.load(handed_out, checkpoint_id=str(tmp_path))
+        optimizer.load_state_dict(handed_out)
+    else:
+        optimizer.load_state_dict(saved)
     assert not optimizer.latched
     reference = _model()
     reference.load_state_dict(weights)

@@ -315,9 +315,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
                 return
             plan = self._prepare_step(op, learning)
             self._commit(learning, plan)
-        except BaseException:
+        except BaseException as error:
             if not self._commit_failed:  # phase 4: nothing written, but perhaps on one rank
-                self.latch_unvoted_failure(op)
+                self.latch_unvoted_failure(op, error)
             raise
         finally:
             set_grad_enabled(grad_enabled)
@@ -361,13 +361,13 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
         """Phase 5: publish, update, count, renote. Any failure latches (§7.4)."""
         # no call while nothing is handed out; a hybrid's child renotes its hybrid's note
-        kept = (self.hand_out_note or self._composite) and self.current_note()
+        kept = self.current_note() if self.hand_out_note or self._composite else None
         self.publish_learning(learning)
         try:
             self._commit_step(plan)
             self._global_step += 1
         except BaseException:
-            self.latch_failed_commit()
+            self.latch_failed_commit(kept)
             raise
         if kept:  # the step's own writes are no foreign ones to what state_dict() handed out
             self.renote(kept)
@@ -384,7 +384,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
                 self._codebook = learning.codebook
             self.renote(kept)
         except BaseException:
-            self._commit_failed = True
+            self.latch_failed_commit(kept)
             raise
 
     def initialize_preamble(self) -> list[int] | None:

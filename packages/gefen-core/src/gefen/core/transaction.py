@@ -18,10 +18,12 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from gefen.core.checked import options_word
-from gefen.core.handout import HandOutNotes
+from gefen.core.handout import HandOutNotes, HandOutRecord
 from gefen.dist import (
     PHASE_LOAD_VALIDATION,
     PHASE_STEP_PREFLIGHT,
+    DistributedStepError,
+    GroupAgreementError,
     GuardedOperation,
     prepare_synchronized_amp_step,
     presence_words,
@@ -83,20 +85,25 @@ class HookedStepState(HandOutNotes):
         """Refuse every step, saying ``reason``, until a load succeeds (which clears it)."""
         self._commit_failed = reason
 
-    def latch_unvoted_failure(self, operation: GuardedOperation) -> None:
-        """A step failed after its votes, in phase 4 (staging), before its commit wrote
+    def latch_unvoted_failure(self, operation: GuardedOperation, error: BaseException) -> None:
+        """A step failed after its vote, in phase 4 (staging), before its commit wrote
         anything. In one process nothing changed. Across ranks the failure may be this rank's
         alone, unvoted, while the others commit the step: latch (``STAGING_FAILED``), so the
-        next step fails on every rank (its vote) until each loads a checkpoint."""
-        if operation.scope:
+        next step fails on every rank (its vote) until each loads a checkpoint. A failure that
+        phase 4 voted or agreed itself (an explicit scope's codebook learning) failed every
+        rank before any wrote: retryable, no latch."""
+        voted = isinstance(error, (DistributedStepError, GroupAgreementError))
+        if operation.scope and not voted:
             self._commit_failed = STAGING_FAILED
 
-    def latch_failed_commit(self) -> None:
-        """A commit failed part-way: refuse every step until a load succeeds, and take the
-        hand-out note off, so that the part-written live tensors a ``state_dict()`` handed out
-        never read as a DCP template filled in place (``run_load``)."""
+    def latch_failed_commit(self, kept: HandOutRecord | None) -> None:
+        """A commit failed part-way: refuse every step until a load succeeds, and note the
+        handed-out live tensors at their versions now (``kept``: the note as the commit found
+        it), so that their part-written values never read as a DCP template filled in place,
+        while a template ``dcp.load`` fills again since does (``run_load``)."""
         self._commit_failed = True
         self.note_commit()
+        self.renote(kept)
 
     def check_latch(self) -> None:
         """Raise while latched: a commit failed part-way, or ``latch`` said why."""

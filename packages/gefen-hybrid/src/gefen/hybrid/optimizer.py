@@ -442,12 +442,12 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
                         participant.apply_prepared_step(operation=op)
                     done += 1
             self._commits += 1  # its commit_count: an AdamW backup counts no step of its own
-        except BaseException:
+        except BaseException as error:
             # a Gefen child says whether its own commit failed; AdamW's step is all commit
             if done > 0 or getattr(self._participants[done][1], "live_values_refusal", True):
-                self.latch_failed_commit()
+                self.latch_failed_commit(kept)
             else:  # the first child's phase 4: nothing written, but perhaps on one rank alone
-                self.latch_unvoted_failure(op)
+                self.latch_unvoted_failure(op, error)
             raise
         finally:
             self.writing_children = False
