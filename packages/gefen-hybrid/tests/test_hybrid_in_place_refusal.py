@@ -429,3 +429,53 @@ def test_after_a_commit_failed_part_way_a_dict_sharing_the_live_state_is_refused
     reference_optimizer = build(reference)
     reference_optimizer.load_state_dict(copy.deepcopy(saved))
     _assert_continues_alike((model, optimizer), (reference, reference_optimizer))
+
+
+# -- GradScaler's controls after a failed step -----------------------------------------------
+
+SCALER_KINDS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "gefen": lambda params: Gefen(params, lr=1e-2),
+    "muon": lambda params: GefenMuon(params, lr=1e-2),
+    "hybrid": lambda params: GefenMuonHybrid([("w", params[0])], lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("where", ["pre", "post"])
+@pytest.mark.parametrize("kind", SCALER_KINDS)
+def test_a_step_failing_in_a_hook_leaves_no_scaler_controls_behind(kind: str, where: str) -> None:
+    """``GradScaler.step`` sets ``found_inf`` and ``grad_scale`` on the optimizer and deletes them
+    only when ``step()`` returns. They were dropped only for failures in phases 3–5: after a
+    step pre-hook (or the latch check, or the vote) raised, or a post-hook did, the next
+    ``scaler.step`` multiplied the stale scale into its own and the gradients were unscaled by
+    the scale squared. Now any failure drops them: each step sees its gradient unscaled once."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float16))
+    optimizer = SCALER_KINDS[kind]([param])
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    armed = [True]
+
+    def hook(*_: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("transient hook failure")
+
+    if where == "pre":
+        optimizer.register_step_pre_hook(hook)
+    else:
+        optimizer.register_step_post_hook(hook)
+    direction = torch.randn(8, 8, dtype=torch.float16)
+    for iteration in range(2):
+        param.grad = None
+        scaler.scale((param * direction).sum()).backward()
+        if iteration == 0:  # the hook fails this once
+            with pytest.raises(RuntimeError, match="transient hook failure"):
+                scaler.step(optimizer)
+            assert not hasattr(optimizer, "found_inf")
+            assert not hasattr(optimizer, "grad_scale")
+            if where == "pre":
+                scaler.step(optimizer)  # the same step, retried
+        else:
+            scaler.step(optimizer)
+        scaler.update()
+        unscaled = param.grad.float().abs().max() / direction.float().abs().max()
+        assert unscaled.item() == pytest.approx(1.0, rel=1e-2)

@@ -291,6 +291,18 @@ def run_step(
         # selection reads version counters, which inference tensors lack.
         with torch.inference_mode(False):
             return run_step(optimizer, call_args, call_kwargs)
+    try:  # whatever fails, a hook or the preflight too, GradScaler's controls must not outlive
+        return _transaction(optimizer, call_args, call_kwargs)  # (a retry would unscale twice)
+    except BaseException:
+        _drop_amp_controls(optimizer)
+        raise
+
+
+def _transaction(
+    optimizer: StepParticipant, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]
+) -> Any:
+    """``run_step``'s phases: preflight and vote, headers and agreement, AMP, prepare and
+    commit, post-hooks; returns the closure's loss."""
     if len(call_args) > 1 or (call_kwargs and (call_args or set(call_kwargs) != {"closure"})):
         STEP_SIGNATURE.bind(optimizer, *call_args, **call_kwargs)  # TypeError as a plain call
     op = optimizer.guarded_operation()
@@ -312,18 +324,14 @@ def run_step(
         )
     optimizer.exchange_step_headers(op, payload)
     optimizer.check_step_agreement()
+    grad_enabled = torch.is_grad_enabled()
+    set_grad_enabled(False)  # torch.no_grad() without its Python context-manager frames
     try:
-        grad_enabled = torch.is_grad_enabled()
-        set_grad_enabled(False)  # torch.no_grad() without its Python context-manager frames
-        try:
-            proceed = prepare_synchronized_amp_step(optimizer, op.scope, optimizer.OWNER_NAME)
-        finally:
-            set_grad_enabled(grad_enabled)
-        if proceed:
-            optimizer.apply_prepared_step(operation=op)
-    except BaseException:
-        _drop_amp_controls(optimizer)
-        raise
+        proceed = prepare_synchronized_amp_step(optimizer, op.scope, optimizer.OWNER_NAME)
+    finally:
+        set_grad_enabled(grad_enabled)
+    if proceed:
+        optimizer.apply_prepared_step(operation=op)
     _run_post_hooks(optimizer, args, kwargs)
     return loss
 
