@@ -287,6 +287,52 @@ def test_a_dcp_file_of_a_parameter_frozen_after_training_is_refused_naming_it(
                        source.state[model.first.weight]["momentum_codes"])  # fmt: skip
 
 
+class _Renamed(_Net):
+    """``_Net`` with ``last`` renamed (the same parameters, in the same order)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.final = self.last
+        del self.last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.norm(torch.tanh(self.first(x)))
+        return self.final(mixed) + (self.cube.sum(0) @ mixed[:, :4].T).T.sum()
+
+
+def test_a_non_strict_dcp_load_of_a_renamed_parameter_is_refused_naming_it(
+    tmp_path: Path, rejects: Any
+) -> None:
+    """A module renamed since the save, loaded with ``strict=False``: the file has no state for
+    the parameter under its new name, and the refusal named a position only ("initialized_params
+    lists position 3 but its entry is not initialized"). It names the parameter and the likely
+    cause; nothing changes, and the optimizer trains on."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model = _Net(seed=0)
+    source = Gefen(model.parameters(), lr=0.01)
+    _train(model, source, range(2))
+    _save(model, source, tmp_path)
+    renamed = _Renamed(seed=1)
+    target = Gefen(renamed.parameters(), lr=0.01)
+    options = StateDictOptions(strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        template = {"optim": get_optimizer_state_dict(renamed, target, options=options)}
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load(template, checkpoint_id=str(tmp_path), planner=planner)
+    at = [name for name, _ in renamed.named_parameters()].index("final.weight")
+    rejects(
+        target,
+        lambda: set_optimizer_state_dict(renamed, target, template["optim"], options=options),
+        ValueError,
+        f"initialized_params lists position {at} but its entry is not initialized (param_groups"
+        f"[0][{at}] has no state in the file: renamed, or added since the save? (strict=False "
+        "skips it))",
+    )
+
+
 def test_a_full_state_dict_loads_through_torch_into_a_fresh_optimizer() -> None:
     """torch's full-state-dict round trip (``StateDictOptions(full_state_dict=True)`` both ways)
     into a freshly built Gefen: its flattening matches lists item by item, so format 2's

@@ -420,6 +420,12 @@ def test_validate_split_value_errors() -> None:
         ValueError, match=re.escape("parameter 'b' appears in BOTH the muon and backup lists")
     ):
         validate_split([("w", w)], [("b", w)])
+    # in both lists and not 2-D: "in BOTH" first, as documented ("put it in the backup list",
+    # the non-2-D rule's advice, misled a parameter already there)
+    with pytest.raises(
+        ValueError, match=re.escape("parameter 'c' appears in BOTH the muon and backup lists")
+    ):
+        validate_split([("c", b)], [("c", b)])
     with pytest.raises(ValueError, match=re.escape("duplicate parameter name 'x'")):
         validate_split([("x", w)], [("x", b)])
     with pytest.raises(ValueError, match=re.escape("duplicate parameter name 'x'")):

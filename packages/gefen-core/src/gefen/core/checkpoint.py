@@ -388,8 +388,7 @@ def _saved_entries(
     entry (DCP drops frozen parameters' state), with one warning.
 
     ``groups`` are the staged groups, so the warning names parameters as the entry errors of
-    ``stage_entries`` do (with the checkpoint's ``param_names`` when it has them).
-    """
+    ``stage_entries`` do (with the checkpoint's ``param_names`` when it has them)."""
     optimizer = loader.optimizer
     flat = [ident for ids in identifiers for ident in ids]
     saved = {position: state[ident] for position, ident in enumerate(flat) if ident in state}
@@ -403,7 +402,7 @@ def _saved_entries(
         if entry is not None and is_dtensor(param) and local_tensor(param).numel() == 0:
             continue  # this rank holds no row of it, so no state (docs/core.md §9.1)
         if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
-            why = "" if param.requires_grad else f" ({_label_at(groups, position)}{_FROZEN})"
+            why = f" ({_label_at(groups, position)}{_NO_STATE if param.requires_grad else _FROZEN})"
             raise loader.reject(f"initialized_params lists position {position} but its entry "
                                 f"is not initialized{why}")  # fmt: skip
         warnings.warn(
@@ -417,6 +416,7 @@ def _saved_entries(
 
 
 _FROZEN = " is frozen: DCP loads no state of a frozen parameter; make it trainable for the load"
+_NO_STATE = " has no state in the file: renamed, or added since the save? (strict=False skips it)"
 
 
 def _first_places(keys: list[Any]) -> list[int]:

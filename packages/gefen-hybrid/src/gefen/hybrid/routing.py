@@ -116,12 +116,12 @@ def validate_split(
     backup = [_check_pair(item, "backup") for item in backup_pairs]
     _check_list(muon, "muon")
     _check_list(backup, "backup")
-    for name, param in muon:
-        check_matrix(param, f"parameter '{name}' in the muon list", "put it in the backup list")
     muon_ids = {id(param) for _, param in muon}
-    for name, param in backup:
+    for name, param in backup:  # first: "put it in the backup list" would mislead here
         if id(param) in muon_ids:
             raise ValueError(f"parameter '{name}' appears in BOTH the muon and backup lists")
+    for name, param in muon:
+        check_matrix(param, f"parameter '{name}' in the muon list", "put it in the backup list")
     names: set[str] = set()
     for name, _ in [*muon, *backup]:
         if name in names:
