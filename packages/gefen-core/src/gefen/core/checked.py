@@ -198,11 +198,11 @@ def match_changed_entries(
                 continue
             if before != signature or not counters_fit(entry):
                 # the codec first: an edited codec also changes the shapes the spec expects
-                reason = _reshaped(before, signature) or _codec_mismatch(
-                    entry, group, optimizer.CODEC_KEYS
-                )
+                reason = _codec_mismatch(entry, group, optimizer.CODEC_KEYS)
                 if reason is None:
                     reason = entry_matches(entry, optimizer.entry_spec(group, param))
+                if reason is None:  # what the entry's own tensors cannot tell (the block family)
+                    reason = _reshaped(before, signature)
                 if reason is not None:
                     label = parameter_label(group, group_index, position)
                     raise RuntimeError(
