@@ -88,6 +88,60 @@ def _change_group_option(optimizer: _Toy) -> None:
     optimizer.param_groups[1]["lr"] = 0.02
 
 
+def _restride_in_place(optimizer: _Toy) -> None:
+    """The same bytes, another layout (a symmetric matrix transposed by its strides)."""
+    optimizer.state[optimizer.param_groups[1]["params"][0]]["sym"].as_strided_((2, 2), (1, 2))
+
+
+def _move_onto_a_foreign_buffer(optimizer: _Toy) -> None:
+    """``set_`` onto another storage at an offset, holding equal bytes: it now aliases it."""
+    scale = optimizer.state[optimizer.param_groups[1]["params"][0]]["momentum_scale"]
+    foreign = torch.cat([torch.zeros(4), scale.detach().clone()])
+    scale.set_(foreign.untyped_storage(), 4, (2,), (1,))
+
+
+def _grow_a_set(optimizer: _Toy) -> None:
+    optimizer.state[optimizer.param_groups[1]["params"][0]]["seen"].add(3)
+
+
+def _poke_a_bytearray(optimizer: _Toy) -> None:
+    optimizer.state[optimizer.param_groups[1]["params"][0]]["raw"][0] = 9
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (_restride_in_place, "state[1][0]['sym']: values differ"),
+        (_move_onto_a_foreign_buffer, "state[1][0]['momentum_scale']: values differ"),
+    ],
+)
+def test_detects_a_layout_change_that_keeps_the_bytes(
+    mutate: Callable[[_Toy], None], expected: str
+) -> None:
+    """Stride and storage offset are compared with the bytes: ``as_strided_`` or ``set_`` onto
+    a foreign buffer changed what the tensor is (and aliases) and read as unchanged."""
+    optimizer = _Toy()
+    optimizer.state[optimizer.param_groups[1]["params"][0]]["sym"] = torch.eye(2)
+    before = _snapshot(optimizer)
+    mutate(optimizer)
+    assert expected in snapshot_diff(before, _snapshot(optimizer))
+
+
+@pytest.mark.parametrize(("mutate", "key"), [(_grow_a_set, "seen"), (_poke_a_bytearray, "raw")])
+def test_detects_an_in_place_change_of_a_set_or_a_bytearray(
+    mutate: Callable[[_Toy], None], key: str
+) -> None:
+    """Sets and byte arrays are compared by value (they were recorded as opaque objects by
+    identity, so an in-place change read as none)."""
+    optimizer = _Toy()
+    entry = optimizer.state[optimizer.param_groups[1]["params"][0]]
+    entry["seen"], entry["raw"] = {1, 2}, bytearray(b"ab")
+    before = _snapshot(optimizer)
+    mutate(optimizer)
+    assert f"state[1][0][{key!r}]: values differ" in snapshot_diff(before, _snapshot(optimizer))
+    assert snapshot_diff(_snapshot(optimizer), _snapshot(optimizer)) == []
+
+
 @pytest.mark.parametrize(
     ("mutate", "expected"),
     [
@@ -175,3 +229,16 @@ def test_assert_unchanged_lists_every_difference() -> None:
         assert_unchanged(before, _snapshot(optimizer))
     assert "global_step: values differ" in str(caught.value)
     assert "param_groups[0]['params'][0].grad" in str(caught.value)
+
+
+def test_sum_int64_refuses_what_int64_would_change() -> None:
+    """``sum_int64`` is exact: a fraction, a NaN, an infinity or a value past int64's range was
+    truncated silently (``[1.7, -2.9]`` summed as ``[1, -2]``); integral floats still sum."""
+    from gefen.dist import GuardedOperation
+
+    operation = GuardedOperation("Toy", binding_getter=lambda: None)
+    assert operation.sum_int64(torch.tensor([3.0, -4.0])).tolist() == [3, -4]
+    assert operation.sum_int64(torch.tensor([5, 6])).tolist() == [5, 6]
+    for bad in ([1.7, -2.9], [float("nan")], [float("inf")], [1e30]):
+        with pytest.raises(ValueError, match="sum_int64 sums integers"):
+            operation.sum_int64(torch.tensor(bad))

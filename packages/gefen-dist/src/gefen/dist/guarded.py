@@ -68,11 +68,28 @@ def _all_gather_words(channel: Channel, words: list[int]) -> tuple[tuple[int, ..
     return tuple(tuple(int(word) for word in row.tolist()) for row in rows)
 
 
+def _exact_int64(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` as int64, refused (``ValueError``) where that would change a value:
+    ``sum_int64`` is exact, so a fraction, a NaN or a value past int64's range is no input."""
+    values = tensor.detach()
+    if values.is_complex():
+        raise ValueError("sum_int64 sums integers, got a complex tensor")
+    if values.is_floating_point():
+        held = values.to(torch.float64)
+        fits = (held >= -(2.0**63)) & (held < 2.0**63) & (held == held.round())
+        if not bool(fits.all()):
+            raise ValueError(
+                "sum_int64 sums integers: the tensor holds a fraction, a NaN, an infinity or a "
+                "value outside int64's range"
+            )
+    return values.to(dtype=torch.int64, copy=True)
+
+
 @collective
 def _all_reduce_sum_int64(channel: Channel, tensor: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
-    summed = tensor.detach().to(device=channel.device, dtype=torch.int64, copy=True)
+    summed = _exact_int64(tensor).to(device=channel.device)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=channel.process_group)
     return summed.cpu()
 
@@ -228,5 +245,5 @@ class GuardedOperation:
         """Exact, order-independent sum over the members; returns a CPU int64 tensor."""
         channel = self._binding_channel("sum_int64")
         if channel is None:
-            return tensor.detach().to(device="cpu", dtype=torch.int64, copy=True)
+            return _exact_int64(tensor).cpu()
         return _all_reduce_sum_int64(channel, tensor)

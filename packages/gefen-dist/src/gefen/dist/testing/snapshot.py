@@ -96,6 +96,8 @@ def _tensor_value(tensor: torch.Tensor) -> tuple[Any, ...]:
         tuple(tensor.shape),
         tuple(local.shape),
         local.device,
+        # the layout too: set_() or as_strided_() can keep the bytes and change what aliases what
+        (local.stride(), local.storage_offset()) if local.layout is torch.strided else None,
         _tensor_bytes(local),
     )
 
@@ -115,6 +117,9 @@ def _capture_value(path: str, value: object, facts: dict[str, _Fact], tracked: b
         facts[path] = _Fact(value if tracked else _UNTRACKED, ("mapping", keys))
         for key, item in value.items():
             _capture_value(f"{path}[{key!r}]", item, facts, True)
+    elif isinstance(value, (set, frozenset, bytes, bytearray)):  # by value, copied now
+        copied = frozenset(value) if isinstance(value, (set, frozenset)) else bytes(value)
+        facts[path] = _Fact(value if tracked else _UNTRACKED, (type(value).__name__, copied))
     elif isinstance(value, (list, tuple)):
         facts[path] = _Fact(value if tracked else _UNTRACKED, (type(value).__name__, len(value)))
         for index, item in enumerate(value):
