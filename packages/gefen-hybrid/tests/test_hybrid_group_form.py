@@ -427,6 +427,19 @@ def test_an_adamw_backup_step_error_says_which_of_the_hybrids_groups_it_is() -> 
     _steps(hybrid, model, 1)
 
 
+def test_a_muon_only_hybrid_names_the_backup_options_not_a_group_it_lacks() -> None:
+    # The AdamW backup is built over one empty group to check its options; its refusal read
+    # "(AdamW backup group 0 is the hybrid's param_groups[1])" of a hybrid with one group.
+    matrix = nn.Sequential(nn.Linear(8, 8, bias=False))
+    with pytest.raises(ValueError) as refused:
+        GefenMuonHybrid(
+            matrix, backup_optimizer="adamw", backup_adamw_kwargs={"amsgrad": "x"}, **FAST
+        )
+    assert str(refused.value) == (
+        "GefenMuonHybrid: AdamW backup options: amsgrad must be a bool, got 'x'"
+    )
+
+
 def test_a_refused_state_dict_says_which_of_the_hybrids_groups_it_names() -> None:
     # state_dict() passed on a Gefen child's refusal in the child's numbering: the backup's
     # group 0 read as param_groups[0], a Muon group of the hybrid. It is noted, not rewritten,

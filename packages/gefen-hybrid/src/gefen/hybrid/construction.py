@@ -314,7 +314,7 @@ def build_children(
     try:
         backup = backup_child(config, backup_groups or [{"params": []}])
     except Exception as error:  # numbered as the hybrid's groups: the Muon child's come first
-        renumber_groups(error, len(muon_groups))
+        renumber_groups(error, len(muon_groups), placeholder=not backup_groups)
         raise
     return (muon if muon_groups else None), (backup if backup_groups else None)
 

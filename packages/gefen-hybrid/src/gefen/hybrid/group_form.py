@@ -175,11 +175,16 @@ _GROUP_LABEL = re.compile(r"param_groups\[(\d+)\]")
 _ADAMW_LABEL = re.compile(r"AdamW backup group (\d+)")
 
 
-def renumber_groups(error: BaseException, offset: int) -> None:
+def renumber_groups(error: BaseException, offset: int, *, placeholder: bool = False) -> None:
     """Rewrite a child's ``param_groups[g]`` labels in ``error``'s message as the hybrid's
     ``param_groups[g + offset]``, and say which of the hybrid's groups an AdamW backup's own
-    ``AdamW backup group g`` is (type, cause and traceback stay as they are)."""
-    if offset and error.args and isinstance(error.args[0], str):
+    ``AdamW backup group g`` is (type, cause and traceback stay as they are). A
+    ``placeholder`` child (built over one empty group to check its options, the hybrid has no
+    such group) names its options instead of a group the hybrid does not have."""
+    if placeholder and error.args and isinstance(error.args[0], str):
+        text = _ADAMW_LABEL.sub("AdamW backup options", error.args[0])
+        error.args = (_GROUP_LABEL.sub("the backup options", text), *error.args[1:])
+    elif offset and error.args and isinstance(error.args[0], str):
         text = _GROUP_LABEL.sub(
             lambda m: f"param_groups[{int(m.group(1)) + offset}]", error.args[0]
         )
