@@ -134,7 +134,35 @@ def test_deadlines_must_nest() -> None:
         run_ranks(sleep_forever_on_rank_one, 2, rank_deadline_s=10.0, pg_timeout_s=20.0)
 
 
+class _Holder:
+    def work(self, rank: int, world_size: int) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"rank_deadline_s": "60"},
+        {"pg_timeout_s": float("nan")},
+        {"rank_deadline_s": True},
+        {"args": 1},
+        {"args": "ab"},
+    ],
+    ids=["deadline-str", "timeout-nan", "deadline-bool", "args-int", "args-str"],
+)
+def test_malformed_arguments_are_refused_by_name(arguments: dict[str, object]) -> None:
+    # A string deadline failed with "'<' not supported", a NaN timeout read as deadlines
+    # that do not nest, and a string of args was spread into the call, a character an
+    # argument.
+    name = next(iter(arguments))
+    with pytest.raises(TypeError, match=name):
+        run_ranks(sleep_forever_on_rank_one, 2, **arguments)  # type: ignore[arg-type]
+
+
 def test_workers_must_be_module_level() -> None:
+    # A bound method was called in each rank as its unbound function, the rank as ``self``.
+    with pytest.raises(TypeError, match="bound method"):
+        run_ranks(_Holder().work, 2)
     with pytest.raises(TypeError, match="module-level"):
         run_ranks(lambda rank, world_size: None, 2)
     with pytest.raises(TypeError, match="scenario"):

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import importlib
 import importlib.util
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -124,6 +125,9 @@ def _worker_ref(fn: object) -> _WorkerRef:
     qualname = getattr(fn, "__qualname__", None)
     if not callable(fn) or module is None or qualname is None or "<" in qualname:
         raise TypeError(f"run_ranks needs module-level callables, got {fn!r:.80}")
+    bound: Any = fn
+    if inspect.ismethod(bound):  # a rank would import the unbound function: the rank as ``self``
+        raise TypeError(f"run_ranks needs module-level callables, not a bound method: {fn!r:.80}")
     source = getattr(sys.modules.get(module), "__file__", None)
     return _WorkerRef(module, qualname, source)
 
@@ -407,8 +411,13 @@ def run_ranks(
     """
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    for name, value in (("rank_deadline_s", rank_deadline_s), ("pg_timeout_s", pg_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise TypeError(f"{name} must be a real number of seconds, got {value!r}")
     if not 0 < pg_timeout_s < rank_deadline_s:
         raise ValueError("deadlines must nest: 0 < pg_timeout_s < rank_deadline_s")
+    if not isinstance(args, (tuple, list)):  # a string would be spread into the call
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     scenarios, single = _scenarios(worker, args)
     args_blob = pickle.dumps([scenario_args for _, _, scenario_args in scenarios])
     workers = tuple(_worker_ref(fn) for _, fn, _ in scenarios)  # refused before anything exists
