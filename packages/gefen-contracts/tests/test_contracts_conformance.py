@@ -176,6 +176,7 @@ class TestCheckStateDict:
         assert result == {0: ("vector",), 1: ("owner",)}
         state_dict = plain_state_dict()
         state_dict["state"][2] = entry("step")
+        state_dict["param_groups"][0]["params"].append(2)
         result = check_state_dict(contract, state_dict, parameter_layouts={2: FLAT})
         assert result[2] == ("local",)
         with pytest.raises(ConformanceError, match=r"\['state'\]\[1\]: no state variant"):
@@ -262,6 +263,21 @@ class TestCheckStateDict:
         with pytest.raises(ConformanceError, match=r"\['state'\]\[5\]: must be a dict"):
             check_state_dict(contract, plain_state_dict(state={5: ["step"]}))
 
+    def test_an_entry_no_group_lists_is_refused(self, contract: OptimizerContract) -> None:
+        # These passed, and torch's load_state_dict then dropped the entries (or raised a
+        # KeyError for the group without 'params').
+        shifted = plain_state_dict(state={10: entry("step", "m", "v")})
+        with pytest.raises(ConformanceError, match=r"\['state'\]\[10\]: its key is listed in no"):
+            check_state_dict(contract, shifted)
+        by_tensor = plain_state_dict(state={TENSOR: entry("step", "m", "v")})
+        with pytest.raises(ConformanceError, match="listed in no group's 'params'"):
+            check_state_dict(contract, by_tensor)
+        no_params = plain_state_dict(param_groups=[{"lr": 0.1}])
+        with pytest.raises(ConformanceError, match=r"\['param_groups'\]\[0\]\['params'\]: must"):
+            check_state_dict(contract, no_params)
+        with pytest.raises(ConformanceError, match=r"\['param_groups'\]\[0\]: must be a dict"):
+            check_state_dict(contract, plain_state_dict(param_groups=[[0, 1]]))
+
     def test_undeclared_entry_key(self, contract: OptimizerContract) -> None:
         state_dict = plain_state_dict()
         state_dict["state"][1]["foo"] = TENSOR
@@ -271,7 +287,10 @@ class TestCheckStateDict:
 
 def composite_state_dict(**overrides: object) -> dict[str, Any]:
     result: dict[str, Any] = {
-        "main": {"state": {0: entry("step", "exp_avg", "exp_avg_sq")}, "param_groups": [{}]},
+        "main": {
+            "state": {0: entry("step", "exp_avg", "exp_avg_sq")},
+            "param_groups": [{"params": [0]}],
+        },
         "backup": {"state": {0: {"anything": TENSOR}}, "param_groups": []},
         "composite_meta": {"v": 1},
     }

@@ -155,3 +155,64 @@ def test_a_filter_may_name_a_listed_parameter_without_state(
     """Parameter 1 has no entry yet (no step took it): a mapping over every parameter is fine."""
     result = check_state_dict(matrix_only, _state_dict(), ndims={0: 2, 1: 1})
     assert result == {0: ("matrix",)}
+
+
+def test_a_variant_pinned_to_a_mode_its_field_does_not_apply_in_is_refused() -> None:
+    """``applicable_sharded_modes`` was read by nothing: a field for ``exact`` only was
+    matched in a variant pinned to ``fast``, and under a ``fast`` filter."""
+    exact_only = field("gathered", applicable_sharded_modes={"exact"})
+    with pytest.raises(ContractValueError, match=r"fields\[1\]: names a field that does not"):
+        OptimizerStateLayout(
+            fields=[field("step"), exact_only],
+            parameter_variants=[variant("v", ("step", "gathered"), sharded_mode="fast")],
+        )
+    layout = OptimizerStateLayout(
+        fields=[field("step"), exact_only],
+        parameter_variants=[variant("v", ("step", "gathered"))],
+    )
+    assert [v.name for v in match_state_variant(layout, ["step", "gathered"])] == ["v"]
+    assert match_state_variant(layout, ["step", "gathered"], sharded_mode="exact")
+    with pytest.raises(ConformanceError, match="no state variant matches"):
+        match_state_variant(layout, ["step", "gathered"], sharded_mode="fast")
+
+
+def test_a_variant_for_ranks_the_contract_does_not_support_is_refused(
+    matrix_only: OptimizerContract,
+) -> None:
+    """A matrices-only claim beside a variant for vectors: the variant could never apply."""
+    from gefen.contracts import OptimizerCapabilities
+
+    capabilities = dataclasses.replace(matrix_only.capabilities, supported_parameter_ranks=(2,))
+    assert isinstance(capabilities, OptimizerCapabilities)
+    vectors = OptimizerStateLayout(
+        fields=[field("step"), field("m")],
+        parameter_variants=[variant("vector", ("step", "m"), parameter_ranks=(1,))],
+    )
+    with pytest.raises(ContractValueError, match=r"parameter_variants\[0\]\.parameter_ranks"):
+        dataclasses.replace(matrix_only, capabilities=capabilities, state_layout=vectors)
+
+
+def test_state_for_a_rank_the_contract_does_not_support_is_refused(
+    matrix_only: OptimizerContract,
+) -> None:
+    """The contract claims matrices only; an entry for a 1-D parameter passed when no
+    variant named its ranks."""
+    anyrank = OptimizerStateLayout(
+        fields=[field("step"), field("m")], parameter_variants=[variant("any", ("step", "m"))]
+    )
+    capabilities = dataclasses.replace(matrix_only.capabilities, supported_parameter_ranks=(2,))
+    contract = dataclasses.replace(matrix_only, capabilities=capabilities, state_layout=anyrank)
+    assert check_state_dict(contract, _state_dict(), ndims={0: 2}) == {0: ("any",)}
+    with pytest.raises(ConformanceError, match=r"\['state'\]\[0\]: holds state for a parameter"):
+        check_state_dict(contract, _state_dict(), ndims={0: 1})
+
+
+def test_a_checkpoint_transport_for_no_layout_is_refused() -> None:
+    from gefen.contracts import CheckpointSupport, CheckpointTransport, ProcessGroupScope
+
+    with pytest.raises(ContractValueError, match=r"CheckpointSupport\.same_topology: a transport"):
+        CheckpointSupport(
+            transport=CheckpointTransport.NATIVE_OPTIMIZER,
+            same_topology=frozenset(),
+            process_group_scope=ProcessGroupScope.NONE,
+        )

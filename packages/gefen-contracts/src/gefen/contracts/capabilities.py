@@ -79,6 +79,9 @@ class CheckpointSupport(ContractValue):
     atomic_load: bool = field(default=False, metadata=_FLAG)
 
     def _validate(self) -> None:
+        if not self.same_topology and not self.topology_changing:
+            rule = "a transport must carry some layout: same_topology or topology_changing"
+            raise value_error("CheckpointSupport.same_topology", rule, [])
         if bool(self.topology_changing) != bool(self.topology_change_kinds):
             raise value_error(
                 "CheckpointSupport.topology_change_kinds",
@@ -150,6 +153,15 @@ class OptimizerContract(ContractValue):
     def _validate(self) -> None:
         roles = tuple(child.role for child in self.children)
         check_unique("OptimizerContract.children", roles, "role")
+        supported = self.capabilities.supported_parameter_ranks
+        for index, variant in enumerate(self.state_layout.parameter_variants):
+            ranks = variant.parameter_ranks
+            if supported is not None and ranks is not None and not set(ranks) & set(supported):
+                where = (
+                    f"OptimizerContract.state_layout.parameter_variants[{index}].parameter_ranks"
+                )
+                rule = f"must meet capabilities.supported_parameter_ranks {supported}"
+                raise value_error(where, rule, ranks)
 
     def child(self, role: str) -> OptimizerChildContract | None:
         """The child with ``role``, or ``None``."""

@@ -104,10 +104,23 @@ def _match(
         if reached <= set(variant.fields)
         and set(variant.fields) - optional <= reached
         and variant.applies_to(filters.ndim, filters.sharded_mode, filters.role, filters.layout)
+        and _fields_apply(layout, variant, filters.sharded_mode)
     )
     if not found:
         raise ConformanceError(_no_match_message(layout, given, reached, location, filters))
     return found
+
+
+def _fields_apply(
+    layout: OptimizerStateLayout, variant: StateVariant, sharded_mode: str | None
+) -> bool:
+    """Whether each field the variant names applies in the mode (the filter's, else the
+    variant's own): a field declared for some sharded modes only exists in those."""
+    mode = sharded_mode if sharded_mode is not None else variant.sharded_mode
+    if mode is None:
+        return True
+    modes = (layout.field(name).applicable_sharded_modes for name in variant.fields)
+    return all(not applicable or mode in applicable for applicable in modes)
 
 
 def _listing(values: Iterable[object]) -> str:
@@ -249,16 +262,43 @@ def _check_optimizer(
             _check_namespace(contract, state_dict, namespace, location, prefix, filters, result)
         return
     state = _container(state_dict, "state", dict, location)
-    _container(state_dict, "param_groups", list, location)
+    listed = _listed_parameters(_container(state_dict, "param_groups", list, location), location)
     for entry_key, entry in state.items():
         entry_location = f"{location}['state'][{show(entry_key)}]"
         if not isinstance(entry, dict):
             raise ConformanceError(f"{entry_location}: must be a dict, got {show(entry)}")
+        if not _hashable(entry_key) or entry_key not in listed:
+            # torch's load_state_dict keys state by the ids the groups list: it drops the rest
+            rule = "its key is listed in no group's 'params', so a load would drop the entry"
+            raise ConformanceError(f"{entry_location}: {rule}")
         for key in entry:
             _reject_unsaved(layout, key, entry_location)
         name = f"{prefix}{entry_key}" if prefix else entry_key
-        variants = _match(layout, entry, entry_location, filters.for_entry(name))
+        entry_filters = filters.for_entry(name)
+        _check_supported_rank(contract, entry_filters.ndim, entry_location)
+        variants = _match(layout, entry, entry_location, entry_filters)
         result[name] = tuple(variant.name for variant in variants)
+
+
+def _check_supported_rank(contract: OptimizerContract, ndim: int | None, location: str) -> None:
+    supported = contract.capabilities.supported_parameter_ranks
+    if ndim is not None and supported is not None and ndim not in supported:
+        rule = f"holds state for a parameter of ndim {ndim}, which supported_parameter_ranks"
+        raise ConformanceError(f"{location}: {rule} {supported} excludes")
+
+
+def _listed_parameters(groups: list[Any], location: str) -> set[object]:
+    """The keys the groups' ``params`` lists name; each group must be a dict holding one."""
+    listed: set[object] = set()
+    for index, group in enumerate(groups):
+        where = f"{location}['param_groups'][{index}]"
+        if not isinstance(group, dict):
+            raise ConformanceError(f"{where}: must be a dict, got {show(group)}")
+        params = group.get("params")
+        if not isinstance(params, list):
+            raise ConformanceError(f"{where}['params']: must be a list, got {show(params)}")
+        listed.update(key for key in params if _hashable(key))
+    return listed
 
 
 def _check_top_level(

@@ -180,6 +180,13 @@ class OptimizerStateLayout(ContractValue):
                 if not target.checkpointed:
                     # check_state_dict refuses the key wherever it appears: never matched
                     raise value_error(where, "must name a checkpointed field", name)
+                modes = target.applicable_sharded_modes
+                if variant.sharded_mode is not None and modes and variant.sharded_mode not in modes:
+                    rule = (
+                        f"names a field that does not apply in the variant's sharded_mode "
+                        f"{variant.sharded_mode!r} (its applicable_sharded_modes: {sorted(modes)})"
+                    )
+                    raise value_error(where, rule, name)
         self._check_top_level_names()
 
     def _check_top_level_names(self) -> None:
