@@ -447,7 +447,41 @@ def scenario_empty_matrix_checkpoint(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def scenario_mode_edit(rank: int, world: int, start: str, edited: str) -> dict[str, Any]:
+    """A group's mode edited once its state exists: refused (distributed state lives on the
+    owner alone, exact state on every rank), then switched through a load, which keeps it."""
+    mesh = mt.mesh_1d(world)
+    fulls = mt.fulls(SHAPES3, 5)
+    model = mt.sharded(mesh, fulls)
+    optimizer = mt.sharded_muon(model, sharded_mode=start, momentum_codec="none")
+    for step in range(2):
+        mt.assign_sharded(model, mt.grads(SHAPES3, 17, step))
+        optimizer.step()
+    saved = mt.round_trip(optimizer.state_dict())[1]
+    optimizer.param_groups[0]["sharded_mode"] = edited
+    mt.assign_sharded(model, mt.grads(SHAPES3, 17, 2))
+    before = mt.snapshot(optimizer)
+    refused = _attempt(optimizer.step)
+    unchanged = mt.changes(optimizer, before)
+    optimizer.load_state_dict(saved)
+    for step in range(2, 4):
+        mt.assign_sharded(model, mt.grads(SHAPES3, 17, step))
+        optimizer.step()
+    oracle_params, oracle = mt.oracle(fulls, momentum_codec="none")
+    for step in range(4):
+        mt.assign_plain(oracle_params, mt.grads(SHAPES3, 17, step))
+        oracle.step()
+    return {
+        "refused": refused["error"],
+        "unchanged": unchanged,
+        "mode": optimizer.param_groups[0]["sharded_mode"],
+        "oracle_diff": mt.max_diff(mt.full_params(model), [p.detach() for p in oracle_params]),
+    }
+
+
 SCENARIOS = [
+    ("edit_to_exact", scenario_mode_edit, ("distributed", "exact")),
+    ("edit_to_distributed", scenario_mode_edit, ("exact", "distributed")),
     ("exact_oracle", scenario_exact_matches_oracle, ()),
     ("dist_standard", mt.scenario_distributed_equals_exact, ("standard",)),
     ("dist_tuned4", mt.scenario_distributed_equals_exact, ("tuned4",)),
@@ -682,3 +716,19 @@ def test_an_empty_matrix_takes_no_owner_slot_so_a_distributed_save_resumes(
         # an exact file resumes into distributed groups too (docs/muon.md §8)
         assert exact["error"] is None
         assert exact["equal"] == [True, True]
+
+
+@pytest.mark.parametrize("edited", ["exact", "distributed"])
+def test_a_mode_edited_once_state_exists_is_refused_and_a_load_switches_it(
+    world: ScenarioWorld, edited: str
+) -> None:
+    # The edit was taken: the other mode stepped from missing or stale momentum (the full
+    # parameters drifted from one process by a whole update, 0.0093 then 0.0175), and exact
+    # state then differed between the ranks.
+    start = "exact" if edited == "distributed" else "distributed"
+    for result in world[f"edit_to_{edited}"]:
+        assert result["refused"] is not None
+        assert f"sharded_mode changed from {start!r} to {edited!r}" in result["refused"]
+        assert result["unchanged"] == []
+        assert result["mode"] == edited  # the load keeps the live mode (docs/muon.md §8)
+        assert result["oracle_diff"] <= 1e-5

@@ -153,11 +153,14 @@ class _Held:
 
 
 def entry_signature(
-    group: Mapping[str, Any], param: Tensor, entry: Mapping[str, Any]
+    group: Mapping[str, Any],
+    param: Tensor,
+    entry: Mapping[str, Any],
+    layout_options: tuple[str, ...] = ("momentum_codec",),
 ) -> tuple[Any, ...]:
-    """What an entry's structural match depends on: the objects involved (by identity) and the
-    shapes. The objects themselves ride along (last item) so no id can be reused meanwhile;
-    comparison uses the identities only."""
+    """What an entry's structural match depends on: the objects involved (by identity), the
+    shapes and the group options that lay the state out. The objects themselves ride along
+    (last item) so no id can be reused meanwhile; comparison uses the identities only."""
     local = local_tensor(param)
     values: list[tuple[Any, ...]] = []
     held: list[Any] = [param, group, entry, local]
@@ -171,9 +174,9 @@ def entry_signature(
             values.append((key, value_key(value, held)))
         else:  # the commit advances the counters: their presence here, their values below
             values.append((key,))
-    codec = group.get("momentum_codec")
+    laid_out_by = tuple([group.get(name) for name in layout_options])
     ids = (id(param), id(group), id(entry), id(local))
-    identity = (*ids, local.shape, local.dtype, param.dim(), codec)  # dtype: a cast keeps the rest
+    identity = (*ids, local.shape, local.dtype, param.dim(), laid_out_by)  # dtype: a cast
     return (identity, tuple(values), _Held(tuple(held)))
 
 
@@ -192,7 +195,8 @@ def match_changed_entries(
             entry = optimizer.state.get(param)  # a parameter replaced in a group has none yet
             if entry is None:
                 continue
-            signature, before = entry_signature(group, param, entry), previous.get(id(param))
+            signature = entry_signature(group, param, entry, optimizer.LAYOUT_OPTIONS)
+            before = previous.get(id(param))
             if entry.get("period", 0) == 0 and not is_initialized(entry):
                 matched[id(param)] = signature  # the shape its first update lays the state out for
                 continue
@@ -203,6 +207,8 @@ def match_changed_entries(
                     reason = entry_matches(entry, optimizer.entry_spec(group, param))
                 if reason is None:  # what the entry's own tensors cannot tell (the block family)
                     reason = _reshaped(before, signature)
+                if reason is None:  # nor the mode it was laid out for (GefenMuon's sharded_mode)
+                    reason = _relaid(before, signature, optimizer.LAYOUT_OPTIONS)
                 if reason is not None:
                     label = parameter_label(group, group_index, position)
                     raise RuntimeError(
@@ -223,6 +229,23 @@ def _reshaped(before: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str | Non
     if old_shape == new_shape:
         return None
     return f"the parameter's shape changed from {tuple(old_shape)} to {tuple(new_shape)}"
+
+
+def _relaid(
+    before: tuple[Any, ...] | None, now: tuple[Any, ...], names: tuple[str, ...]
+) -> str | None:
+    """Why an entry laid out under other group options (``LAYOUT_OPTIONS``) no longer fits,
+    or None: GefenMuon's distributed mode keeps a matrix's state on its owner alone, its exact
+    mode on every rank, so an edited mode would step from missing or stale momentum."""
+    if before is None or before[0][2] != now[0][2]:  # another entry (a load): nothing to compare
+        return None
+    for name, old, new in zip(names, before[0][7], now[0][7], strict=True):
+        if old != new:
+            return (
+                f"the group's {name} changed from {old!r} to {new!r}, but a group's {name} "
+                "cannot change once its state exists (load a checkpoint, which may change it)"
+            )
+    return None
 
 
 def _codec_mismatch(

@@ -34,6 +34,7 @@ class ShellInterface(Protocol):
     TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]]
     CODEC_KEYS: ClassVar[CodecKeys]
     REQUIRE_2D: ClassVar[bool]
+    LAYOUT_OPTIONS: ClassVar[tuple[str, ...]]
     POST_SHARDING_LAYOUTS: ClassVar[tuple[Any, ...]]
     TEMPLATE_COMPLETE: ClassVar[bool]
     state: defaultdict[Tensor, Any]

@@ -67,6 +67,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]] = ()
     # GefenMuon: every parameter must stay 2-D, even without a gradient (docs/muon.md §6).
     REQUIRE_2D: ClassVar[bool] = False
+    LAYOUT_OPTIONS: ClassVar[tuple[str, ...]] = ("momentum_codec",)  # fixed once state exists
     # The attributes __getstate__ copies (a whitelist: never an instance-level `step` wrapper).
     _PICKLED_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
         *("defaults", "state", "param_groups", "_global_step", "_codebook", "_commit_failed"),
@@ -286,8 +287,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         return self._binding
 
     def publish_finalization(self, finalized: Finalized, groups: list[Any]) -> None:
-        """``post_sharding``'s publication: each group's new (params, names), pristine
-        placeholders, then the layout and its binding. Assignment only."""
+        """``post_sharding``'s publication, assignment only: groups, placeholders, layout."""
         state: dict[Tensor, Any] = {}
         for group, (params, names) in zip(self.param_groups, groups, strict=True):
             group["params"] = params

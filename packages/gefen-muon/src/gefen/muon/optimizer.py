@@ -52,21 +52,19 @@ from gefen.muon.momentum_kernels import MomentumKernels
 from gefen.muon.options import (
     MUON_OPTIMIZER_WIDE,
     check_mode_mix,
+    check_schedule_steps,
     normalise_schedule_steps,
     validate_muon_options,
 )
 from gefen.muon.plan import OwnerBucket, PlannedMatrix, group_hyper
 from gefen.muon.preflight import check_presence_and_order, uncovered_presence
 from gefen.muon.rows import approx_row_sharded, assembles_rows, presents_rows
-from gefen.muon.update import (
-    MuonHyper,
-    apply_update_,
-    orthogonal_update_,
-)
+from gefen.muon.update import MuonHyper, apply_update_, orthogonal_update_
 
 __all__ = ["GefenMuon"]
 
 _MUON_CODEC_KEYS = CodecKeys(dense="momentum_buffer")
+_POST_SHARDING_LAYOUTS = (ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER)
 
 
 def _stochastic(group: Mapping[str, Any]) -> bool:
@@ -107,10 +105,8 @@ class GefenMuon(OptimizerShell):
     # distributed optimizer's template ask an exact file for it (docs/muon.md §8).
     TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]] = ("muon_distributed",)
     REQUIRE_2D: ClassVar[bool] = True
-    POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = (
-        ParameterLayout.REPLICATED,
-        ParameterLayout.WHOLE_PARAMETER_OWNER,
-    )
+    LAYOUT_OPTIONS: ClassVar[tuple[str, ...]] = ("momentum_codec", "sharded_mode")
+    POST_SHARDING_LAYOUTS: ClassVar[tuple[ParameterLayout, ...]] = _POST_SHARDING_LAYOUTS
 
     def __init__(
         self,
@@ -167,6 +163,7 @@ class GefenMuon(OptimizerShell):
         check_optimizer_wide(group, self.defaults, self.OPTIMIZER_WIDE)
         check_torch_flags(group)
         validate_muon_options(group)
+        check_schedule_steps(group)
         others = self.__dict__.get("param_groups") or []
         check_group_codec(group, others, self.__dict__.get("_codebook"), self.OWNER_NAME)
 
@@ -178,7 +175,7 @@ class GefenMuon(OptimizerShell):
                     f"size: {param.size()}"
                 )
         check_mode_mix([*self.param_groups, candidate])
-        self.validate_group(candidate)
+        validate_muon_options(candidate)  # then the group stores its schedule's length
         normalise_schedule_steps(candidate)  # type: ignore[arg-type]
 
     def _check_local_inputs(self) -> None:
