@@ -642,6 +642,40 @@ def test_a_group_edited_into_a_mode_mix_is_caught_by_the_step_preflight() -> Non
     _rejects(optimizer, optimizer.step, ValueError, MIX_MESSAGE, restore=restore)
 
 
+def test_a_schedule_edited_without_its_step_count_is_refused() -> None:
+    # The edit ran three iterations while the group and its checkpoints said ns_steps=5.
+    first, second = _params()
+    optimizer = GefenMuon([first, second])
+    _trains(optimizer)
+    group = optimizer.param_groups[0]
+    group["ns_schedule"] = "tuned3"
+
+    def restore() -> None:
+        group["ns_steps"] = 3  # both edited: the schedule runs, the group says so
+
+    fragment = "param_groups[0]: ns_steps is 5 but ns_schedule 'tuned3' runs 3 steps"
+    _rejects(optimizer, optimizer.step, ValueError, fragment, restore=restore)
+    assert optimizer.state_dict()["param_groups"][0]["ns_steps"] == 3
+
+
+def test_a_mode_edited_once_state_exists_is_refused() -> None:
+    # Across ranks, distributed state lives on a matrix's owner alone and exact state on every
+    # rank: the edit stepped from missing or stale momentum (tests at world 2). A pristine
+    # group may still change its mode.
+    first, second = _params()
+    optimizer = GefenMuon([{"params": [first]}, {"params": [second]}])
+    optimizer.param_groups[1]["sharded_mode"] = "distributed"
+    _trains(optimizer)
+    group = optimizer.param_groups[0]
+    group["sharded_mode"] = "distributed"
+
+    def restore() -> None:
+        group["sharded_mode"] = "exact"
+
+    fragment = "the group's sharded_mode changed from 'exact' to 'distributed'"
+    _rejects(optimizer, optimizer.step, RuntimeError, fragment, restore=restore)
+
+
 def test_a_valid_group_edit_is_honoured_at_the_next_step() -> None:
     first, second = _params()
     optimizer = GefenMuon([first, second], weight_decay=0.0)

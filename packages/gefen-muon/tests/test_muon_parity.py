@@ -176,6 +176,30 @@ def test_none_codec_matches_torch_muon(
 
 
 @requires_torch_muon
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_a_tensor_lr_scales_as_torch_muon_does(
+    one_thread: None, lr_dtype: torch.dtype, fused: bool
+) -> None:
+    # torch forms lr·ratio and 1 − lr·wd in the lr tensor's dtype; GefenMuon formed them from
+    # the lr read as a float, one float32 step apart on 11 of (40, 7)'s elements.
+    for shape in [(40, 7), (7, 40), (300, 257)]:
+        grads = _gradients(shape, torch.float32, seed=3)
+        ours = torch.nn.Parameter(_initial(shape, torch.float32, seed=3))
+        theirs = torch.nn.Parameter(_initial(shape, torch.float32, seed=3))
+        lr = 0.0123
+        optimizer = GefenMuon(
+            [ours], lr=torch.tensor(lr, dtype=lr_dtype), momentum_codec="none", fused=fused
+        )
+        oracle = TorchMuon([theirs], lr=torch.tensor(lr, dtype=lr_dtype))
+        for grad in grads:
+            ours.grad, theirs.grad = grad.clone(), grad.clone()
+            optimizer.step()
+            oracle.step()
+        assert torch.equal(ours.detach(), theirs.detach()), shape
+
+
+@requires_torch_muon
 def test_torch_muon_aliases_bf16_buffer_without_nesterov(one_thread: None) -> None:
     """Why the oracle exists: torch's bf16 buffer is no longer the EMA, GefenMuon's is."""
     shape, dtype = (16, 24), torch.bfloat16

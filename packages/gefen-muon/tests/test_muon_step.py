@@ -697,10 +697,10 @@ def test_tensor_lr_changes_in_place_take_effect() -> None:
     p = _p(12, 8)
     twin = torch.nn.Parameter(p.detach().clone())
     optimizer = GefenMuon([p], lr=lr)
-    reference = GefenMuon([twin], lr=float(lr))
+    reference = GefenMuon([twin], lr=lr.clone())  # a tensor lr scales as torch's Muon does
     for step, value in enumerate([0.01, 0.03, 0.0, 0.02]):
         lr.fill_(value)  # in place: same object, new version
-        reference.param_groups[0]["lr"] = float(lr)
+        reference.param_groups[0]["lr"] = torch.tensor(value)  # a new object each step
         p.grad, twin.grad = _grad(p, step), _grad(p, step)
         before = p.detach().clone()
         optimizer.step()

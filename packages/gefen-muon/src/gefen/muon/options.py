@@ -21,6 +21,7 @@ __all__ = [
     "MUON_OPTIMIZER_WIDE",
     "SHARDED_MODES",
     "check_mode_mix",
+    "check_schedule_steps",
     "group_schedule",
     "normalise_schedule_steps",
     "validate_muon_options",
@@ -102,6 +103,18 @@ def normalise_schedule_steps(group: MutableMapping[str, Any]) -> None:
     """tuned3, tuned4 and explicit schedules store their own length as ``ns_steps`` (§3)."""
     if group["ns_schedule"] not in (None, "standard"):
         group["ns_steps"] = len(group_schedule(group))
+
+
+def check_schedule_steps(group: Mapping[str, Any]) -> None:
+    """A named or explicit schedule's group holds its length as ``ns_steps`` (§3): an edit of
+    ``ns_schedule`` alone would leave the group (and its checkpoints) naming another count."""
+    if group["ns_schedule"] not in (None, "standard"):
+        runs = len(group_schedule(group))
+        if group["ns_steps"] != runs:
+            raise ValueError(
+                f"ns_steps is {group['ns_steps']!r} but ns_schedule {group['ns_schedule']!r} "
+                f"runs {runs} steps: set ns_steps to {runs} with it"
+            )
 
 
 def check_mode_mix(groups: Iterable[Mapping[str, Any]]) -> None:

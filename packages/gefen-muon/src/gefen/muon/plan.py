@@ -54,4 +54,5 @@ def group_hyper(group: Mapping[str, Any]) -> MuonHyper:
         normuon=bool(group["normuon"]),
         normuon_beta2=float(group["normuon_beta2"]),
         normuon_eps=float(group["normuon_eps"]),
+        lr_dtype=group["lr"].dtype if isinstance(group["lr"], Tensor) else None,
     )

@@ -42,6 +42,19 @@ class MuonHyper:
     normuon: bool
     normuon_beta2: float
     normuon_eps: float
+    lr_dtype: torch.dtype | None = None  # a tensor lr's: torch.optim.Muon scales it in it
+
+    def scaled_lr(self, ratio: float) -> float:
+        """``lr·ratio`` as ``torch.optim.Muon`` forms it: a tensor lr in its own dtype."""
+        if self.lr_dtype is None:
+            return self.lr * ratio
+        return float(torch.tensor(self.lr, dtype=self.lr_dtype) * ratio)
+
+    def decay(self) -> float:
+        """``1 - lr·weight_decay`` as ``torch.optim.Muon`` forms it (a tensor lr likewise)."""
+        if self.lr_dtype is None:
+            return 1.0 - self.lr * self.weight_decay
+        return float(1 - torch.tensor(self.lr, dtype=self.lr_dtype) * self.weight_decay)
 
 
 def advance_momentum_(
@@ -132,5 +145,5 @@ def apply_update_(local: Tensor, update: Tensor, *, hyper: MuonHyper, ratio: flo
     """Steps 4–5 on ``local`` in place: decay with the raw lr, then ``-(lr·ratio)·O``."""
     target = local.detach()
     if hyper.weight_decay > 0:
-        target.mul_(1.0 - hyper.lr * hyper.weight_decay)
-    target.add_(update, alpha=-(hyper.lr * ratio))
+        target.mul_(hyper.decay())
+    target.add_(update, alpha=-hyper.scaled_lr(ratio))
