@@ -100,6 +100,27 @@ def test_each_group_keeps_its_own_options_under_the_childs_names(backend: str) -
     _steps(hybrid, model, 2)
 
 
+def test_a_muon_group_may_give_its_own_coefficients() -> None:
+    # They were refused, "pass either ns_schedule or ns_coefficients, not both": the group
+    # took the hybrid's default ns_schedule="standard" beside them.
+    triple = (3.0, -3.2, 1.2)
+    trained = []
+    for form in ("group", "constructor"):
+        model = _model()
+        hidden, rest = _split(model)
+        own = {"ns_coefficients": triple} if form == "group" else {}
+        groups = [{"params": hidden, "use_muon": True, **own}, {"params": rest, "use_muon": False}]
+        shared = {"ns_schedule": [triple]} if form != "group" else {}  # FAST: one step
+        hybrid = GefenMuonHybrid(groups, lr=0.02, **FAST, **shared)
+        if form == "group":
+            muon_group = hybrid.param_groups[0]
+            assert muon_group["ns_schedule"] is None
+            assert tuple(muon_group["ns_coefficients"]) == triple
+        _steps(hybrid, model, 2)
+        trained.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
+
+
 def test_a_group_without_the_flag_is_routed_per_parameter() -> None:
     """Named pairs by the routing rules ("embed" and "lm_head" go to the backup), bare tensors by
     shape (2-D to Muon); each part keeps the group's options and records where it went."""

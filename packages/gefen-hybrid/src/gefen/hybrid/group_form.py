@@ -122,6 +122,8 @@ def split_groups(
                 continue
             foreign = _BACKUP_ONLY if use_muon else _MUON_ONLY
             kept = {k: v for k, v in options.items() if flag is not None or k not in foreign}
+            if use_muon and "ns_coefficients" in kept:  # they replace the default schedule
+                kept.setdefault("ns_schedule", None)
             if names is not None:  # each part keeps the names of its own parameters
                 kept["param_names"] = [names[at] for at in part]
             target.append({**kept, "params": [items[at] for at in part], "use_muon": use_muon})
