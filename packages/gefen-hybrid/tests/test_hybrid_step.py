@@ -965,6 +965,11 @@ BAD_ADAMW_OPTIONS = [
     ("weight_decay", float("nan"), "weight_decay must be finite and >= 0"),
     ("eps", 0.0, "eps must be finite and > 0"),
     ("eps", -1e-8, "eps must be finite and > 0"),
+    # These failed inside the backup's commit, after the Muon half was written: a (1, 1) eps
+    # cannot broadcast a bias's in-place update, a meta tensor holds no value.
+    ("eps", torch.tensor([[1e-8]]), "eps must be a real number or a 1-element real tensor of"),
+    ("lr", torch.tensor(1e-3, device="meta"), "lr is a meta tensor, which holds no value"),
+    ("weight_decay", torch.tensor(0.0, device="meta"), "weight_decay is a meta tensor"),
 ]
 
 

@@ -33,11 +33,17 @@ _CAPTURABLE_DEVICES = ("cuda", "xpu", "hpu", "privateuseone", "xla")  # torch's 
 
 
 def _real(value: object, where: str, name: str) -> float | None:
-    """The value of a real number or a 1-element real tensor (None for a tensor off the CPU,
-    whose value is not read so that the preflight never synchronises a device)."""
+    """The value of a real number or a 1-element real tensor of at most one dimension (None
+    for a tensor off the CPU, whose value is not read so that the preflight never synchronises
+    a device). A (1, 1) tensor would broadcast a 1-D parameter's in-place update to 2-D."""
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.is_complex() or not value.is_floating_point():
-            raise ValueError(f"{where}: {name} must be a real number or a 1-element real tensor")
+        if value.numel() != 1 or value.dim() > 1 or not value.is_floating_point():
+            raise ValueError(
+                f"{where}: {name} must be a real number or a 1-element real tensor of at most "
+                f"one dimension, got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        if value.is_meta:  # it holds no value: the backup's step would fail reading it
+            raise ValueError(f"{where}: {name} is a meta tensor, which holds no value")
         if value.device.type != "cpu":
             return None
         return float(value.detach().reshape(()).item())
