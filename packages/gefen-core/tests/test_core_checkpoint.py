@@ -380,6 +380,18 @@ REJECTIONS = [
         "param_names must hold str",
     ),
     ("factored on 1-D", _factored_on_vector, "state does not match parameter"),
+    # The entry is in the file without its counter: the hint blamed a rename.
+    (
+        "entry without step",
+        lambda sd: sd["state"][1].pop("step"),
+        r"param_groups\[1\]\[0\]'s entry in the file holds no 'step'",
+    ),
+    # Named by position within the file ("entry 1"), unlike every other entry rule.
+    (
+        "step past global_step",
+        lambda sd: sd["state"][1].__setitem__("step", 4),
+        r"param_groups\[1\]\[0\]: 'step' 4 exceeds global_step 3",
+    ),
 ]
 
 

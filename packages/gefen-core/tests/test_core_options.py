@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +38,8 @@ GROUP_CASES = [
     ({"check_finite": "yes"}, TypeError, "check_finite must be a bool"),
     ({"stochastic_round": 0}, TypeError, "stochastic_round must be a bool"),
     ({"momentum_codec": "int4"}, ValueError, "momentum_codec must be one of"),
+    # Saved as a numpy.str_, which torch.load(weights_only=True) refuses to read back.
+    ({"momentum_codec": np.str_("codebook8")}, ValueError, "momentum_codec must be one of"),
     ({"momentum_codec": "none", "stochastic_round": True}, ValueError, "requires momentum_codec"),
     ({"fused": "yes"}, TypeError, "fused"),
 ]
@@ -44,6 +47,8 @@ WIDE_CASES = [
     ({"codebook_refresh_every": True}, TypeError, "codebook_refresh_every"),
     ({"codebook_refresh_every": 1.0}, TypeError, "codebook_refresh_every"),
     ({"codebook_refresh_every": -1}, ValueError, "codebook_refresh_every"),
+    # Taken, and a scoped optimizer then failed every step on the header's int64 word.
+    ({"codebook_refresh_every": 2**63}, ValueError, "codebook_refresh_every must satisfy"),
     (
         {"momentum_codec": "none", "codebook_refresh_every": 3},
         ValueError,

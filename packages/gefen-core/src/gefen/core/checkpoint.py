@@ -52,8 +52,7 @@ FIXED_OPTIONS = ("momentum_codec", "deterministic")  # a saved group must match 
 def check_checkpoint_binding(
     checkpoint_binding: object, installed: ProcessGroupBinding | None
 ) -> None:
-    """A ``checkpoint_binding`` must match the installed codebook binding exactly, same
-    handle object (docs/dist.md §7, §8.2 step 5); None checks nothing."""
+    """A ``checkpoint_binding`` (None: no check) matches the installed one (docs/dist.md §7)."""
     if checkpoint_binding is None:
         return
     if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
@@ -402,7 +401,8 @@ def _saved_entries(
         if entry is not None and is_dtensor(param) and local_tensor(param).numel() == 0:
             continue  # this rank holds no row of it, so no state (docs/core.md §9.1)
         if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
-            why = f" ({_label_at(groups, position)}{_NO_STATE if param.requires_grad else _FROZEN})"
+            cause = _FROZEN if not param.requires_grad else _NO_STATE if entry is None else _NO_STEP
+            why = f" ({_label_at(groups, position)}{cause})"
             raise loader.reject(f"initialized_params lists position {position} but its entry "
                                 f"is not initialized{why}")  # fmt: skip
         warnings.warn(
@@ -417,6 +417,7 @@ def _saved_entries(
 
 _FROZEN = " is frozen: DCP loads no state of a frozen parameter; make it trainable for the load"
 _NO_STATE = " has no state in the file: renamed, or added since the save? (strict=False skips it)"
+_NO_STEP = "'s entry in the file holds no 'step'"
 
 
 def _first_places(keys: list[Any]) -> list[int]:
@@ -443,11 +444,10 @@ def _needs_codebook(
 
 
 def _check_counters(
-    loader: _Loader, entries: Mapping[int, Mapping[str, Any]], global_step: int
+    loader: _Loader, entries: Mapping[int, Any], global_step: int, groups: list[Any]
 ) -> None:
-    """No run produces an entry updated more often than the optimizer stepped, times the
-    places that list its parameter (torch updates a repeated parameter once per place); this
-    also rejects initialized entries under ``global_step = 0``."""
+    """No entry is updated more often than the optimizer stepped, times the places listing
+    its parameter (torch updates a repeated one once per place); so none under step 0."""
     places = _first_places([id(p) for g in loader.optimizer.param_groups for p in g["params"]])
     listings = Counter(places)
     for position, entry in sorted(entries.items()):
@@ -455,8 +455,8 @@ def _check_counters(
             age = entry.get(key)
             if isinstance(age, int) and age > global_step * listings[places[position]]:
                 raise loader.reject(
-                    f"entry {position}: '{key}' {age} exceeds global_step {global_step} (no run "
-                    "updates a parameter more often than the optimizer steps)"
+                    f"{_label_at(groups, position)}: '{key}' {age} exceeds global_step "
+                    f"{global_step} (no run updates a parameter more often than it steps)"
                 )
 
 
@@ -479,7 +479,7 @@ def prepare_load(optimizer: ShellInterface, sd: Mapping[str, Any]) -> PreparedLo
     codebook = extras["codebook"]
     if codebook is None and _needs_codebook(optimizer, staged_groups, entries, extras):
         raise loader.reject("codes but no codebook (global_step > 0 or a non-pristine entry)")
-    _check_counters(loader, entries, extras["global_step"])
+    _check_counters(loader, entries, extras["global_step"], staged_groups)
     new_state: defaultdict[Tensor, Any] = defaultdict(dict)
     flat_params = [param for group in staged_groups for param in group["params"]]
     for position, param in enumerate(flat_params):

@@ -138,13 +138,15 @@ def _check_positive_finite(name: str, label: str, value: object, *, allow_zero: 
 def _check_refresh(value: object) -> None:
     if type(value) is not int:
         raise TypeError(f"codebook_refresh_every must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"codebook_refresh_every must be >= 0, got {value}")
+    if not 0 <= value < 2**63:  # the scoped header carries it as an int64 (a step never
+        # reaches 2**63 anyway: global_step stops below it)
+        raise ValueError(f"codebook_refresh_every must satisfy 0 <= n < 2**63, got {value}")
 
 
 def _check_codec(options: Mapping[str, Any], *, constructor: bool) -> None:
     codec = options["momentum_codec"]
-    if not isinstance(codec, str) or codec not in CODECS:
+    if type(codec) is not str or codec not in CODECS:  # a str subclass (numpy.str_) would be
+        # saved as itself, and torch.load(weights_only=True) refuses it
         raise ValueError(f"momentum_codec must be one of {CODECS}, got {codec!r}")
     if codec == "none" and options["stochastic_round"]:
         raise ValueError("stochastic_round requires momentum_codec='codebook8' or 'codebook4'")
