@@ -156,7 +156,7 @@ def entry_signature(
     group: Mapping[str, Any],
     param: Tensor,
     entry: Mapping[str, Any],
-    layout_options: tuple[str, ...] = ("momentum_codec",),
+    layout_options: tuple[str, ...],
 ) -> tuple[Any, ...]:
     """What an entry's structural match depends on: the objects involved (by identity), the
     shapes and the group options that lay the state out. The objects themselves ride along
@@ -242,8 +242,8 @@ def _relaid(
     for name, old, new in zip(names, before[0][7], now[0][7], strict=True):
         if old != new:
             return (
-                f"the group's {name} changed from {old!r} to {new!r}, but a group's {name} "
-                "cannot change once its state exists (load a checkpoint, which may change it)"
+                f"the group's {name} changed from {old!r} to {new!r}, but it cannot change "
+                "while the state exists; a load lays the state out anew under the live option"
             )
     return None
 
