@@ -121,6 +121,24 @@ def test_a_muon_group_may_give_its_own_coefficients() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
 
 
+def test_a_muon_group_giving_the_standard_triple_keeps_the_schedule() -> None:
+    # GefenMuon reads the standard triple as no coefficients given; the hybrid read it as its
+    # own and ran it three times in place of tuned3.
+    from gefen.muon import STANDARD_TRIPLE
+
+    model = _model()
+    hidden, rest = _split(model)
+    groups = [
+        {"params": hidden, "use_muon": True, "ns_coefficients": STANDARD_TRIPLE},
+        {"params": rest, "use_muon": False},
+    ]
+    hybrid = GefenMuonHybrid(groups, lr=0.02, ns_schedule="tuned3", fused=False)
+    assert (hybrid.param_groups[0]["ns_schedule"], hybrid.param_groups[0]["ns_steps"]) == (
+        "tuned3",
+        3,
+    )
+
+
 def test_a_group_without_the_flag_is_routed_per_parameter() -> None:
     """Named pairs by the routing rules ("embed" and "lm_head" go to the backup), bare tensors by
     shape (2-D to Muon); each part keeps the group's options and records where it went."""

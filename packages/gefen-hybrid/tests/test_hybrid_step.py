@@ -995,6 +995,16 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
 
 
+def test_an_adamw_backup_takes_the_tensor_shapes_torch_squeezes() -> None:
+    # torch's AdamW squeezes lr and the betas: a (1, 1) tensor steps there, and here too.
+    hybrid = _hybrid(_model(), "adamw")
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    group["lr"] = torch.tensor([[1e-3]])
+    group["betas"] = (torch.tensor([[0.9]]), 0.999)
+    _stepped(hybrid)
+
+
 @pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])
 def test_a_deleted_adamw_backup_option_is_named_missing(key: str) -> None:
     """It read as the wrong cause ("lr must be a real number, got NoneType")."""

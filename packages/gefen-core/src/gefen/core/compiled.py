@@ -91,7 +91,7 @@ def pack_hyper(scalars: StepScalars, t: int, tau: int, device: torch.device) -> 
     return SCALARS.get(tuple(hyper_values(scalars, t, tau)), torch.float64, device)
 
 
-def stream_tensor(seed: tuple[int, int] | None, device: torch.device) -> Tensor:
+def stream_tensor(seed: tuple[int, ...] | None, device: torch.device) -> Tensor:
     """``stream_value`` as the int64 (two's complement) 0-d tensor the fused encode hashes."""
     value = stream_value(seed)
     signed = value - (1 << 64) if value >= 1 << 63 else value
@@ -235,7 +235,7 @@ class FusedMomentum:
         scale: Tensor,
         codebook: Tensor,
         weight: float,
-        seed: tuple[int, int] | None,
+        seed: tuple[int, ...] | None,
     ) -> Tensor:
         blocks = codes.shape[0]
         period = grad.numel() // blocks

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gefen.contracts import OptimizerContract
+from gefen.contracts import LogicalSlice, OptimizerContract
 from gefen.core.fused import has_fused_implementation
 from gefen.core.kernels import row_period
 from gefen.core.learning import CodebookInput, StagedLearning
@@ -28,7 +28,7 @@ from gefen.core.options import (
     validate_gefen_options,
 )
 from gefen.core.options import lr_value as _lr_value  # module attribute: tests count reads
-from gefen.core.resharding import dtensor_period, row_sharded_mesh
+from gefen.core.resharding import dtensor_period, first_logical_element, row_sharded_mesh
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import (
     CodecKeys,
@@ -62,7 +62,7 @@ class _PlannedUpdate:
     updater: Updater | None  # the kernel phase 1 selected (None: the eager reference)
     local: Tensor  # the parameter's local tensor
     entry: dict[str, Any] | None  # its entry when already live (no allocation, move, migration)
-    seed: tuple[int, int] | None  # stochastic rounding's (global step, flat index)
+    seed: tuple[int, ...] | None  # stochastic rounding's (global step, flat index, first)
 
 
 @dataclass(frozen=True)
@@ -326,10 +326,20 @@ class Gefen(OptimizerShell):
                         param, group, (group_index, position), learning.periods.get(index, live),
                         self._kernel(group, param), local_tensor(param),
                         self._entry_if_live(group, param),
-                        (self._global_step, index) if stochastic else None,
+                        self._seed(index, group_index, position) if stochastic else None,
                     )
                 )  # fmt: skip
         return plan
+
+    def _seed(self, index: int, group_index: int, position: int) -> tuple[int, ...]:
+        """§6.3's seed: the step, the flat index, and the local shard's first element in the
+        whole parameter (a shard draws what one process draws for its elements)."""
+        if self._finalized is not None:
+            extent = self._finalized.group_shards[group_index][position].extent
+            first = extent.flat_offset if isinstance(extent, LogicalSlice) else 0
+        else:
+            first = first_logical_element(self.param_groups[group_index]["params"][position])
+        return (self._global_step, index, first)
 
     def _step_scalars(
         self, updates: list[_PlannedUpdate], learning: StagedLearning

@@ -39,6 +39,7 @@ __all__ = [
     "check_row_periods",
     "dtensor_period",
     "every_rank_has_rows",
+    "first_logical_element",
     "local_rows",
     "row_sharded_mesh",
     "rows_on_every_rank",
@@ -100,6 +101,17 @@ def _shards(param: Tensor) -> int:
     """The size of the mesh dimension the rows are split over (the last)."""
     mesh = param.device_mesh  # type: ignore[attr-defined]
     return int(mesh.size(mesh.ndim - 1))
+
+
+def first_logical_element(param: Tensor) -> int:
+    """The row-major index, in the whole parameter, of a row-sharded DTensor's first local
+    element (0 for any other tensor): stochastic rounding draws by logical index (§6.3)."""
+    if not is_dtensor(param) or not _rows_placed(param) or param.dim() == 0:
+        return 0
+    rows = int(param.shape[0])
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    start = min(rows, -(-rows // _shards(param)) * int(mesh.get_local_rank(mesh.ndim - 1)))
+    return start * (param.numel() // rows) if rows else 0
 
 
 def local_rows(value: Tensor, param: Tensor) -> Tensor:

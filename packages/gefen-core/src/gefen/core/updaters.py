@@ -80,7 +80,7 @@ class StepScalars:
     eps: float
     weight_decay: float
     codebook: Tensor | None = None
-    seed: tuple[int, int] | None = None
+    seed: tuple[int, ...] | None = None
     factored_floor: bool = False
     nesterov: bool = False
 
@@ -150,7 +150,7 @@ def hyper_values(scalars: StepScalars, t: int, tau: int) -> list[float]:
     return values
 
 
-def stream_value(seed: tuple[int, int] | None) -> int:
+def stream_value(seed: tuple[int, ...] | None) -> int:
     """§6.3's stream seed (unsigned 64-bit; 0 without stochastic rounding)."""
     from gefen.core.kernels.quantize import stream_seed
 
@@ -177,7 +177,7 @@ class CodebookTables:
 
 
 MomentumAdvancer = Callable[
-    [Tensor, Tensor, Tensor, Tensor, float, "tuple[int, int] | None"], Tensor
+    [Tensor, Tensor, Tensor, Tensor, float, "tuple[int, ...] | None"], Tensor
 ]
 """``advance(grad_blocks, codes, scale, codebook, weight, seed)``: codebook8 momentum
 ``lerp(decode, grad, weight)`` re-encoded into ``codes``/``scale`` in place; returns the decoded
@@ -190,7 +190,7 @@ def eager_advance_momentum_(
     scale: Tensor,
     codebook: Tensor,
     weight: float,
-    seed: tuple[int, int] | None,
+    seed: tuple[int, ...] | None,
 ) -> Tensor:
     """The reference of ``MomentumAdvancer``: decode, lerp, encode, store, decode."""
     from gefen.core.kernels.blocks import requantized_lerp

@@ -33,14 +33,21 @@ _CAPTURABLE_DEVICES = ("cuda", "xpu", "hpu", "privateuseone", "xla")  # torch's 
 
 
 def _real(value: object, where: str, name: str) -> float | None:
-    """The value of a real number or a 1-element real tensor of at most one dimension (None
-    for a tensor off the CPU, whose value is not read so that the preflight never synchronises
-    a device). A (1, 1) tensor would broadcast a 1-D parameter's in-place update to 2-D."""
+    """The value of a real number or a 1-element real tensor (None for a tensor off the CPU,
+    whose value is not read so that the preflight never synchronises a device). torch's AdamW
+    squeezes lr and the betas, but adds eps and weight_decay to 1-D updates in place as they
+    are: a (1, 1) tensor there cannot broadcast to a bias."""
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.dim() > 1 or not value.is_floating_point():
+        squeezed = name == "lr" or name.startswith("betas")
+        if (
+            value.numel() != 1
+            or not value.is_floating_point()
+            or (value.dim() > 1 and not squeezed)
+        ):
             raise ValueError(
-                f"{where}: {name} must be a real number or a 1-element real tensor of at most "
-                f"one dimension, got a {value.dtype} tensor of shape {tuple(value.shape)}"
+                f"{where}: {name} must be a real number or a 1-element real tensor"
+                f"{'' if squeezed else ' of at most one dimension'}, got a {value.dtype} tensor "
+                f"of shape {tuple(value.shape)}"
             )
         if value.is_meta:  # it holds no value: the backup's step would fail reading it
             raise ValueError(f"{where}: {name} is a meta tensor, which holds no value")

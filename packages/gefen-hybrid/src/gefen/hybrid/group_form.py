@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gefen.core.extension import real_value
 from gefen.hybrid.routing import check_matrix, is_muon_param
+from gefen.muon import STANDARD_TRIPLE
 
 __all__ = [
     "check_momentum",
@@ -122,12 +123,19 @@ def split_groups(
                 continue
             foreign = _BACKUP_ONLY if use_muon else _MUON_ONLY
             kept = {k: v for k, v in options.items() if flag is not None or k not in foreign}
-            if use_muon and "ns_coefficients" in kept:  # they replace the default schedule
+            if use_muon and _own_coefficients(kept):  # they replace the default schedule
                 kept.setdefault("ns_schedule", None)
             if names is not None:  # each part keeps the names of its own parameters
                 kept["param_names"] = [names[at] for at in part]
             target.append({**kept, "params": [items[at] for at in part], "use_muon": use_muon})
     return muon, backup
+
+
+def _own_coefficients(options: Mapping[str, Any]) -> bool:
+    """Whether a Muon group gives coefficients of its own: GefenMuon reads the standard
+    triple as none given (it runs beside any schedule)."""
+    given = options.get("ns_coefficients", STANDARD_TRIPLE)
+    return not (isinstance(given, (tuple, list)) and tuple(given) == STANDARD_TRIPLE)
 
 
 def _check_matrices(index: int, items: Sequence[Any], names: Sequence[Any] | None) -> None:

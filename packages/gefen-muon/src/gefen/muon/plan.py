@@ -32,7 +32,7 @@ class PlannedMatrix:
     period: int
     hyper: MuonHyper
     ratio: float
-    seed: tuple[int, int] | None
+    seed: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def advance_momentum_(
     *,
     codebook: Tensor | None,
     momentum: float,
-    seed: tuple[int, int] | None,
+    seed: tuple[int, ...] | None,
     advance: MomentumAdvancer | None,
 ) -> Tensor:
     """Step 1 in place; returns the stored momentum m̂ in ``grad``'s shape.
@@ -110,7 +110,7 @@ def orthogonal_update_(
     *,
     codebook: Tensor | None,
     hyper: MuonHyper,
-    seed: tuple[int, int] | None = None,
+    seed: tuple[int, ...] | None = None,
     advance: MomentumAdvancer | None = None,
 ) -> Tensor:
     """Steps 1–3 on ``grad`` (the quantized matrix), writing ``entry`` in place; returns the

@@ -59,7 +59,7 @@ def unpack_codes(codes: Tensor, period: int) -> Tensor:
 
 
 def encode_blocks(
-    m: Tensor, codebook: Tensor, period: int, *, seed: tuple[int, int] | None = None
+    m: Tensor, codebook: Tensor, period: int, *, seed: tuple[int, ...] | None = None
 ) -> tuple[Tensor, Tensor]:
     """Quantize fp32 values in logical order to ``(codes uint8 (B, P), scale fp32 (B, 1))``,
     or codes (B, ceil(P / 2)) two per byte for a codebook of at most 16 values.
@@ -119,7 +119,7 @@ def requantized_lerp(
     codebook: Tensor,
     target: Tensor,
     weight: float,
-    seed: tuple[int, int] | None,
+    seed: tuple[int, ...] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Codebook momentum's advance, the reference both Gefen and GefenMuon use: decode,
     ``lerp(decoded, target, weight)`` (fp32, (B, P)), re-encode. Returns the new codes and

@@ -14,7 +14,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-__all__ = ["mix64", "nearest_index", "stochastic_index", "stream_seed", "uniform_draws"]
+__all__ = ["Seed", "mix64", "nearest_index", "stochastic_index", "stream_seed", "uniform_draws"]
 
 _MASK64 = (1 << 64) - 1
 _MIX_MULTIPLIER_1 = 0xBF58476D1CE4E5B9
@@ -42,16 +42,24 @@ def _mix64_array(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return mixed
 
 
-def stream_seed(seed: tuple[int, int]) -> int:
-    """``mix(mix(global_step) XOR param_index)`` for ``seed = (global_step, param_index)``."""
-    global_step, param_index = seed
-    for name, value in (("global_step", global_step), ("param_index", param_index)):
+Seed = tuple[int, ...]
+"""Stochastic rounding's ``(global_step, param_index)``, or ``(global_step, param_index,
+first)`` for a shard whose first element is element ``first`` of the whole parameter."""
+
+
+def stream_seed(seed: Seed) -> int:
+    """``mix(mix(global_step) XOR param_index) + γ·first`` (mod 2⁶⁴, ``first`` 0 when absent):
+    draw ``k`` of a shard is then draw ``first + k`` of the whole parameter (§6.3)."""
+    global_step, param_index, *rest = seed
+    first = rest[0] if rest else 0
+    named = (("global_step", global_step), ("param_index", param_index), ("first", first))
+    for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK64:
             raise ValueError(f"stochastic rounding seed: {name} must be an int >= 0, got {value!r}")
-    return mix64(mix64(global_step) ^ param_index)
+    return (mix64(mix64(global_step) ^ param_index) + _GOLDEN_GAMMA * first) & _MASK64
 
 
-def uniform_draws(seed: tuple[int, int], numel: int) -> Tensor:
+def uniform_draws(seed: Seed, numel: int) -> Tensor:
     """The draws ``u_k`` for ``k = 0 .. numel-1``: fp32 on the CPU, each in ``[0, 1)``.
 
     ``u_k = (mix(stream + 0x9E3779B97F4A7C15·(k+1)) >> 40) / 2²⁴`` with ``stream =
@@ -202,7 +210,7 @@ def nearest_index(cb: Tensor, x: Tensor) -> Tensor:
     return nearest.to(torch.uint8).reshape(x.shape)
 
 
-def stochastic_index(cb: Tensor, x: Tensor, *, seed: tuple[int, int]) -> Tensor:
+def stochastic_index(cb: Tensor, x: Tensor, *, seed: Seed) -> Tensor:
     """Unbiased random rounding of ``fp32(x)`` to one of its two surrounding codewords.
 
     With ``L``/``R`` as in ``nearest_index``: ``L`` when ``L == R``, otherwise ``R`` iff

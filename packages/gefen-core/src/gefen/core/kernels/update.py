@@ -104,7 +104,7 @@ def _check_common(
     step: int,
     v_step: int,
     codebook: Tensor | None,
-    seed: tuple[int, int] | None,
+    seed: tuple[int, ...] | None,
 ) -> tuple[int, int]:
     """Validate what both families share; returns the block grid (B, P)."""
     n = param.numel()
@@ -146,7 +146,7 @@ def _advance_momentum(
     gradient: Tensor,
     beta1: float,
     codebook: Tensor | None,
-    seed: tuple[int, int] | None,
+    seed: tuple[int, ...] | None,
 ) -> tuple[Momentum, Tensor]:
     """§6.1 step 5: the new momentum state and the momentum the update uses, both (B, P)."""
     if isinstance(momentum, DenseMomentum):
@@ -218,7 +218,7 @@ def update_block(
     eps: float,
     weight_decay: float,
     codebook: Tensor | None = None,
-    seed: tuple[int, int] | None = None,
+    seed: tuple[int, ...] | None = None,
     nesterov: bool = False,
 ) -> BlockUpdate:
     """One §6.1 update of a block-family parameter; returns the staged state and parameter.
@@ -303,7 +303,7 @@ def update_factored(
     eps: float,
     weight_decay: float,
     codebook: Tensor | None = None,
-    seed: tuple[int, int] | None = None,
+    seed: tuple[int, ...] | None = None,
     factored_floor: bool = False,
     nesterov: bool = False,
 ) -> FactoredUpdate:

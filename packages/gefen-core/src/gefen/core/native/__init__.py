@@ -449,7 +449,7 @@ class NativeMomentum:
         scale: Tensor,
         codebook: Tensor,
         weight: float,
-        seed: tuple[int, int] | None,
+        seed: tuple[int, ...] | None,
     ) -> Tensor:
         if grad.dtype not in _DTYPES or grad.device.type != "cpu":
             return eager_advance_momentum_(grad, codes, scale, codebook, weight, seed)
