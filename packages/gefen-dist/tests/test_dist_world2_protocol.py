@@ -186,6 +186,28 @@ def scenario_agreement_misuse(rank: int, world_size: int) -> dict[str, Any]:
             else outcome(lambda: operation.local(PHASE_STEP_PREFLIGHT, lambda: 1))
         ),
         "after": agreeing((3, 1)),  # the group is still usable
+        # Not a sequence at all: len() raised outside the vote, the peer waited for the timeout.
+        "none": agreeing(None if rank == 1 else (0, 0)),
+        "int": agreeing(5 if rank == 1 else (0, 0)),
+        "after_malformed": agreeing((3, 1)),
+    }
+
+
+def scenario_one_rank_refusals(rank: int, world_size: int) -> dict[str, Any]:
+    """A refusal that depends on one member's data or configuration: every member is told
+    at once (the refusing member raised alone, its peer waited in the collective)."""
+    from gefen.dist import TransportLimits, all_gather_records
+
+    operation = GuardedOperation("Gefen", binding_getter=world_binding)
+    fraction = torch.tensor([2.5 if rank == 1 else 2.0, 1.0])
+    limits = TransportLimits(max_metadata_bytes=1000 if rank == 1 else 2000)
+    channel = world_binding().channel
+    return {
+        "fraction": outcome(lambda: operation.sum_int64(fraction)),
+        "limits": outcome(
+            lambda: all_gather_records({"a": 1}, channel=channel, owner_name="Gefen", limits=limits)
+        ),
+        "after": outcome(lambda: operation.sum_int64(torch.tensor([rank, 1])).tolist()),
     }
 
 
@@ -417,6 +439,7 @@ SCENARIOS = [
     ("vote_messages", scenario_vote_messages, ()),
     ("any_true_over", scenario_any_true_over, ()),
     ("agreement_misuse", scenario_agreement_misuse, ()),
+    ("one_rank_refusals", scenario_one_rank_refusals, ()),
     ("scope_one_mesh", scenario_scope_one_mesh, ()),
     ("amp_disagreements", scenario_amp_disagreements, ()),
     ("amp_agreements", scenario_amp_agreements, ()),
@@ -500,6 +523,31 @@ def test_agreement_words_that_break_the_rules_fail_every_member_by_name(
             in (result["one_without"]["error"])
         )
         assert result["after"] == {"error": None, "value": 1, "elapsed": result["after"]["elapsed"]}
+        for case in ("none", "int"):
+            expected = (
+                "Gefen step preflight failed on local rank 1: "
+                if rank == 1
+                else "Gefen step preflight failed on another process-group member"
+            )
+            assert result[case]["error"].startswith(expected), (case, result[case])
+            assert result[case]["elapsed"] < FAIL_FAST_S
+        assert result["after_malformed"]["error"] is None
+
+
+def test_a_refusal_one_member_meets_fails_every_member_at_once(world: ScenarioWorld) -> None:
+    for result in world["one_rank_refusals"]:
+        assert result["fraction"]["type"] == "ValueError"
+        assert "sum_int64 sums integers" in result["fraction"]["error"]
+        assert "on 1 member(s)" in result["fraction"]["error"]
+        assert result["limits"]["type"] == "GroupAgreementError"
+        assert "different TransportLimits" in result["limits"]["error"]
+        for case in ("fraction", "limits"):
+            assert result[case]["elapsed"] < FAIL_FAST_S, (case, result[case])
+        assert result["after"] == {
+            "error": None,
+            "value": [1, 2],
+            "elapsed": result["after"]["elapsed"],
+        }
 
 
 def test_any_true_over_tells_every_member(world: ScenarioWorld) -> None:

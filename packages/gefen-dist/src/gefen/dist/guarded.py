@@ -68,9 +68,15 @@ def _all_gather_words(channel: Channel, words: list[int]) -> tuple[tuple[int, ..
     return tuple(tuple(int(word) for word in row.tolist()) for row in rows)
 
 
-def _exact_int64(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` as int64, refused (``ValueError``) where that would change a value:
-    ``sum_int64`` is exact, so a fraction, a NaN or a value past int64's range is no input."""
+_NOT_INT64 = (
+    "sum_int64 sums integers: the tensor holds a fraction, a NaN, an infinity or a value outside "
+    "int64's range"
+)
+
+
+def _exact_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A copy of ``tensor`` as int64, and whether converting it would change a value (then
+    zeros): ``sum_int64`` is exact, so a fraction, a NaN or a value past int64 is no input."""
     values = tensor.detach()
     if values.is_complex():
         raise ValueError("sum_int64 sums integers, got a complex tensor")
@@ -78,20 +84,23 @@ def _exact_int64(tensor: torch.Tensor) -> torch.Tensor:
         held = values.to(torch.float64)
         fits = (held >= -(2.0**63)) & (held < 2.0**63) & (held == held.round())
         if not bool(fits.all()):
-            raise ValueError(
-                "sum_int64 sums integers: the tensor holds a fraction, a NaN, an infinity or a "
-                "value outside int64's range"
-            )
-    return values.to(dtype=torch.int64, copy=True)
+            return torch.zeros(values.shape, dtype=torch.int64, device=values.device), True
+    return values.to(dtype=torch.int64, copy=True), False
 
 
 @collective
 def _all_reduce_sum_int64(channel: Channel, tensor: torch.Tensor) -> torch.Tensor:
+    """The sum, its refusal counted in the same all-reduce: a value one member cannot sum
+    exactly fails every member alike (it depends on data, not on the caller's protocol)."""
     import torch.distributed as dist
 
-    summed = _exact_int64(tensor).to(device=channel.device)
-    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=channel.process_group)
-    return summed.cpu()
+    values, refused = _exact_int64(tensor)
+    flag = torch.tensor([int(refused)], dtype=torch.int64, device=values.device)
+    flagged = torch.cat([values.reshape(-1), flag]).to(channel.device)
+    dist.all_reduce(flagged, op=dist.ReduceOp.SUM, group=channel.process_group)
+    if int(flagged[-1]) > 0:
+        raise ValueError(f"{_NOT_INT64} on {int(flagged[-1])} member(s)")
+    return flagged[:-1].reshape(values.shape).cpu()
 
 
 def _header_labels(rows: tuple[tuple[int, ...], ...], names: tuple[str, ...]) -> str:
@@ -164,7 +173,8 @@ class GuardedOperation:
         result: T | None = None
         words: Sequence[int] = ()
         try:
-            result, words = fn()
+            result, returned = fn()
+            words = tuple(returned)  # here: a malformed return is this member's failure, voted
             if self._binding_getter is not None and self._binding_getter() is not self.binding:
                 raise RuntimeError(
                     f"{self.owner_name} process-group binding changed during the {phase}"
@@ -245,5 +255,8 @@ class GuardedOperation:
         """Exact, order-independent sum over the members; returns a CPU int64 tensor."""
         channel = self._binding_channel("sum_int64")
         if channel is None:
-            return _exact_int64(tensor).cpu()
+            values, refused = _exact_int64(tensor)
+            if refused:
+                raise ValueError(_NOT_INT64)
+            return values
         return _all_reduce_sum_int64(channel, tensor)

@@ -414,10 +414,18 @@ def _gather_encoded(
 
     group, device = channel.process_group, channel.device
     size = dist.get_world_size(group)
-    header = torch.tensor([len(payload), *_digest_words(payload)], dtype=torch.int64, device=device)
+    bounds = [limits.max_metadata_bytes, limits.max_tensors, limits.max_tensor_bytes]
+    words = [len(payload), *_digest_words(payload), *bounds]
+    header = torch.tensor(words, dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(size)]
     dist.all_gather(headers, header, group=group)
     rows = [[int(word) for word in row.tolist()] for row in headers]
+    if any(row[5:] != rows[0][5:] for row in rows):  # seen alike by every member
+        raise GroupAgreementError(
+            f"{owner_name} gathered records: the members pass different TransportLimits",
+            owner_name=owner_name,
+            what="transport limits",
+        )
     for member, row in enumerate(rows):
         if not 0 < row[0] <= limits.max_metadata_bytes:
             raise _corrupt(owner_name, member, f"announced length {row[0]} is out of limits")
@@ -429,7 +437,7 @@ def _gather_encoded(
     decoded: list[Any] = []
     for member, (row, buffer) in enumerate(zip(rows, buffers, strict=True)):
         data = _tensor_bytes(buffer[: row[0]])
-        if _digest_words(data) != row[1:]:
+        if _digest_words(data) != row[1:5]:
             raise _corrupt(owner_name, member, "the bytes do not match their SHA-256 digest")
         try:
             decoded.append(_strict_json(data))
