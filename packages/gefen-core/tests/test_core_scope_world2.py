@@ -713,7 +713,19 @@ def scenario_refresh_codes(rank: int, world_size: int, crafted: bool) -> dict[st
     }
 
 
+def scenario_stochastic_flat(rank: int, world_size: int) -> list[int]:
+    """Equal gradients on the two element slices of one parameter, stochastic rounding: the
+    codes of the first step (each slice drew from its own local index before, so alike)."""
+    scoped = Scoped(rank, "flat", stochastic_round=True)
+    assert scoped.target is not None
+    scoped.target.grad = torch.linspace(-1.0, 1.0, 24) ** 3
+    scoped.opt.step()
+    codes: list[int] = scoped.opt.state[scoped.target]["momentum_codes"].reshape(-1).tolist()
+    return codes
+
+
 SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
+    ("stochastic_flat", scenario_stochastic_flat, ()),
     ("init_nan", scenario_initialize_preamble, ("nan",)),
     ("init_sparse", scenario_initialize_preamble, ("sparse",)),
     ("init_layout", scenario_initialize_preamble, ("layout",)),
@@ -1218,3 +1230,11 @@ def test_the_table_rule_helper_breaks_ties_towards_the_lower_index() -> None:
     from gefen.core.kernels import nearest_index
 
     assert torch.equal(table.to(torch.uint8), nearest_index(new, old))
+
+
+def test_element_slices_draw_by_their_place_in_the_parameter(world: ScenarioWorld) -> None:
+    # docs/core.md §6.3: the draw of element k is the whole parameter's; slice 1 holds
+    # elements 24..47, so equal values round with other draws than slice 0's.
+    first, second = _both(world, "stochastic_flat")
+    assert len(first) == len(second) > 0
+    assert first != second

@@ -331,8 +331,7 @@ class _Loader:
         return staged
 
     def fixed_options(self, index: int, saved: dict[str, Any], live: dict[str, Any]) -> None:
-        """A group's codec and determinism are the live group's: the entries' layout and the
-        kernels' reproducibility follow them (a saved group may omit them)."""
+        """A saved group's codec and determinism, where given, are the live group's."""
         if "deterministic" in saved and not _equal(saved["deterministic"], live["deterministic"]):
             raise self.reject(
                 f"group {index}: deterministic differs from the live flag (changing it "
@@ -401,7 +400,8 @@ def _saved_entries(
         if entry is not None and is_dtensor(param) and local_tensor(param).numel() == 0:
             continue  # this rank holds no row of it, so no state (docs/core.md §9.1)
         if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
-            cause = _FROZEN if not param.requires_grad else _NO_STATE if entry is None else _NO_STEP
+            bare = entry is None or set(entry) <= {"period"}  # a template's own placeholder
+            cause = _FROZEN if not param.requires_grad else _NO_STATE if bare else _NO_STEP
             why = f" ({_label_at(groups, position)}{cause})"
             raise loader.reject(f"initialized_params lists position {position} but its entry "
                                 f"is not initialized{why}")  # fmt: skip
