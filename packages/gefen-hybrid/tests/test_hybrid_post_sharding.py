@@ -262,6 +262,26 @@ def test_source_outside_the_registry_is_rejected_untouched() -> None:
     trains(hybrid)
 
 
+def test_a_manifest_naming_a_parameter_no_rebinding_names_is_refused_untouched() -> None:
+    # Each child saw only its own FQNs' shards, so the stranger was dropped and the hybrid
+    # finalized, where Gefen's own post_sharding refuses the same manifest.
+    setup = make("solo")
+    hybrid = setup.hybrid
+    shard = replicated("stranger.weight", (3, 3), SOLO)
+    manifest = ShardingManifest((*setup.manifest.shards, shard))
+    rejects(
+        hybrid,
+        lambda: hybrid.post_sharding(
+            setup.rebindings(), manifest=manifest, codebook_process_group=setup.binding
+        ),
+        ValueError,
+        "post_sharding: stranger.weight: the manifest's FQN set differs from the rebindings'",
+    )
+    assert hybrid.finalized is False
+    setup.finalize()
+    trains(hybrid)
+
+
 def _backup_unsupported_layout(setup: Setup) -> tuple[list[ParameterRebinding], ShardingManifest]:
     """The Muon half is valid; the Gefen backup refuses a whole-owner shard (prepared second)."""
     fqn = "lm_head.weight"

@@ -54,6 +54,13 @@ def forward_post_sharding(
                 "of this GefenMuonHybrid"
             )
         per_child[id(owner)].append(rebinding)
+    named = {r.shard.parameter.fqn for mine in per_child.values() for r in mine}
+    stray = sorted({s.parameter.fqn for s in manifest.shards} - named)
+    if stray:  # each child sees only its own FQNs' shards: the rest would drop unchecked
+        raise ValueError(
+            f"post_sharding: {stray[0]}: the manifest's FQN set differs from the rebindings' "
+            "(the manifest names a parameter no rebinding does)"
+        )
     prepared: list[PreparedFinalization] = []
     for child in hybrid.children:
         assert isinstance(child, OptimizerShell)
