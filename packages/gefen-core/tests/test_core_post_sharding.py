@@ -819,6 +819,40 @@ def test_replicated_finalization_trains_exactly_like_the_unsharded_optimizer(mod
         assert torch.equal(setup.targets[fqn], twin_params[fqn]), fqn
 
 
+def test_a_scoped_refresh_counts_a_parameter_whose_first_gradient_arrives_with_it() -> None:
+    """docs/core.md §5.6 step 1: a periodic refresh histograms the periods staged this step.
+    The scoped refresh left out a parameter whose first gradient came on the refresh step, so
+    a one-member scope learned another codebook than the unsharded optimizer."""
+    solo = ProcessGroupIdentity("solo", ("rank:0",))
+    shape = (8, 16)
+    initial = [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def run(scoped: bool) -> tuple[Tensor, list[Tensor]]:
+        olds = [torch.nn.Parameter(value.clone()) for value in initial]
+        optimizer = Gefen(olds, lr=0.01, codebook_refresh_every=2)
+        params = olds
+        if scoped:
+            params = [torch.nn.Parameter(value.clone()) for value in initial]
+            shards = [replicated_shard(ParameterIdentity(n, shape), solo) for n in ("a", "b")]
+            optimizer.post_sharding(
+                [ParameterRebinding(o, t, s) for o, t, s in zip(olds, params, shards, strict=True)],
+                manifest=ShardingManifest(tuple(shards)),
+                codebook_process_group=solo_binding(solo),
+            )
+        for step in range(3):
+            generator = torch.Generator().manual_seed(100 + step)
+            params[0].grad = torch.randn(shape, generator=generator)
+            late = torch.randn(shape, generator=generator) * 50  # another distribution
+            params[1].grad = late if step == 2 else None  # first seen at the refresh step
+            optimizer.step()
+        assert optimizer.codebook is not None
+        return optimizer.codebook, [p.detach().clone() for p in params]
+
+    (plain_codebook, plain), (scoped_codebook, scoped) = run(False), run(True)
+    assert torch.equal(plain_codebook, scoped_codebook)
+    assert all(torch.equal(a, b) for a, b in zip(plain, scoped, strict=True))
+
+
 def test_one_member_flattened_codebook_equals_the_shard_oracle() -> None:
     """docs/core.md §13 oracle over one member: the flattened shard selects its period from its
     own 1-D slice; the replicated shards contribute once; the histogram is solved."""

@@ -107,7 +107,7 @@ def _refreshed(
     current = opt.codebook
     assert current is not None
     if _scoped(opt, op):
-        learned = scoped_learn(opt, op, stage_periods=False)
+        learned = scoped_learn(opt, op, stage_periods=False, staged=staged)
         if learned is None or learned.codebook is None:
             return None
         return learned.codebook, scoped_refresh_table(opt, op, learned.codebook)

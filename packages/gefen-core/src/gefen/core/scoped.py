@@ -9,6 +9,7 @@ caller publishes what these functions stage.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,9 +54,14 @@ def _contributes(shard: ShardIdentity, tensor: Tensor | None, coordinate: int) -
 
 
 def _local_contributions(
-    optimizer: ShellInterface, finalized: Finalized, *, stage_periods: bool
+    optimizer: ShellInterface,
+    finalized: Finalized,
+    *,
+    stage_periods: bool,
+    staged: Mapping[int, int],
 ) -> _Local:
-    """Records, local histogram and staged periods over the local shards in canonical order."""
+    """Records, local histogram and staged periods over the local shards in canonical order
+    (``staged``: periods this step already staged, as a refresh during a step counts them)."""
     index_of = {id(param): (index, group) for index, group, param in optimizer.indexed_params()}
     binding = finalized.binding
     coordinate = 0 if binding is None else binding.coordinate
@@ -69,7 +75,7 @@ def _local_contributions(
         period = 0
         if tensor is not None:
             index, group = index_of[id(tensor)]
-            period = int(optimizer.state.get(tensor, {}).get("period", 0))
+            period = int(optimizer.state.get(tensor, {}).get("period", 0)) or staged.get(index, 0)
             if active and period == 0 and stage_periods:
                 assert grad is not None
                 view = grad.detach()
@@ -93,7 +99,11 @@ def _device(finalized: Finalized) -> torch.device:
 
 
 def scoped_learn(
-    optimizer: ShellInterface, op: GuardedOperation, *, stage_periods: bool
+    optimizer: ShellInterface,
+    op: GuardedOperation,
+    *,
+    stage_periods: bool,
+    staged: Mapping[int, int] | None = None,
 ) -> StagedLearning | None:
     """§9.4 step 5 a–e (and §9.5 step 4): a candidate codebook agreed by every member, with
     the staged periods; None when the summed histogram is empty."""
@@ -105,6 +115,7 @@ def scoped_learn(
         optimizer,
         finalized,
         stage_periods=stage_periods,
+        staged=staged or {},
     )
     rows = op.gather(records)
     check_contribution_records(rows, finalized.manifest, op.owner_name)
