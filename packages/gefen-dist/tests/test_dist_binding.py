@@ -110,6 +110,13 @@ def test_construction_rejects(kwargs: dict[str, object], error: type, fragment: 
         CodebookProcessGroupBinding(**arguments)  # type: ignore[arg-type]
 
 
+def test_a_binding_before_init_says_torch_distributed_is_not_initialized() -> None:
+    # group.WORLD is None until init_process_group: the message told the user to pass it.
+    assert not dist.is_initialized()
+    with pytest.raises(BindingError, match=r"torch\.distributed is not initialized"):
+        CodebookProcessGroupBinding(PAIR, "rank:0", dist.group.WORLD, "cpu")
+
+
 def test_one_member_binding_must_not_carry_a_handle() -> None:
     with pytest.raises(BindingError, match="a one-member binding must use process_group=None"):
         CodebookProcessGroupBinding(SOLO, "rank:0", _handle(), "cpu")

@@ -65,10 +65,18 @@ def _check_handle(identity: ProcessGroupIdentity, process_group: object) -> None
             raise BindingError("a one-member binding must use process_group=None")
         return
     if process_group is None:
+        import torch.distributed as dist
+
+        # group.WORLD itself is None until init_process_group: say so, not "pass group.WORLD"
+        uninitialized = dist.is_available() and not dist.is_initialized()
         raise BindingError(
             f"a binding of {len(identity.ordered_members)} members requires an explicit "
             "runtime process group; None never means the default world "
-            "(pass torch.distributed.group.WORLD for the world)"
+            + (
+                "(torch.distributed is not initialized: call init_process_group first)"
+                if uninitialized
+                else "(pass torch.distributed.group.WORLD for the world)"
+            )
         )
     from torch.distributed import ProcessGroup
 
