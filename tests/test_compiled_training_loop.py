@@ -64,3 +64,45 @@ def test_compiled_step_trains_exactly_like_eager(build: Callable[[torch.nn.Modul
     compiled = _train(build, compiled=True)
     for expected, got in zip(eager, compiled, strict=True):
         assert torch.equal(expected, got)
+
+
+@pytest.mark.parametrize("build", [_gefen, _hybrid], ids=["gefen", "hybrid"])
+def test_a_state_dict_taken_in_a_compiled_function_loads(
+    build: Callable[[torch.nn.Module], Any],
+) -> None:
+    # Traced, the groups held Dynamo's capturable=True, which the optimizer's own load then
+    # refused; torch's state_dict and load_state_dict run outside the graph, and so do ours.
+    import copy
+
+    torch._dynamo.reset()
+    model = _model()
+    optimizer = build(model)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    optimizer.step()
+    saved = copy.deepcopy(torch.compile(lambda: optimizer.state_dict())())
+    assert all(group.get("capturable") is None for group in saved["param_groups"])
+    twin = build(_model())
+    torch.compile(lambda: twin.load_state_dict(saved))()
+
+    def plain(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:  # plain options
+        return [{k: v for k, v in g.items() if isinstance(v, (int, float, str))} for g in groups]
+
+    assert plain(twin.state_dict()["param_groups"]) == plain(saved["param_groups"])
+
+
+def test_a_compiled_function_writing_an_option_is_refused_with_the_cause() -> None:
+    # Dynamo adds capturable=True to the groups a compiled function writes; the refusal sent
+    # the user after a key they never set.
+    torch._dynamo.reset()
+    model = _model()
+    optimizer = _gefen(model)
+
+    @torch.compile
+    def warm_up_and_step(scale: float) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-2 * scale
+        optimizer.step()
+
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    with pytest.raises(ValueError, match="set options outside the compiled function"):
+        warm_up_and_step(0.5)

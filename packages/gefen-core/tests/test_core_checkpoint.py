@@ -390,7 +390,7 @@ REJECTIONS = [
     (
         "step past global_step",
         lambda sd: sd["state"][1].__setitem__("step", 4),
-        r"param_groups\[1\]\[0\]: 'step' 4 exceeds global_step 3",
+        r"entry 1: 'step' 4 exceeds global_step 3 .param_groups\[1\]\[0\]: no run",
     ),
 ]
 

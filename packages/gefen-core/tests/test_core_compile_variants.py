@@ -89,3 +89,22 @@ def test_a_step_under_inference_mode_selects_and_keeps_the_fused_kernel() -> Non
         for value in entry.values()
         if isinstance(value, torch.Tensor)
     )
+
+
+def test_a_callers_fail_on_recompile_stance_does_not_fail_the_commit() -> None:
+    """A group of a new shape class added under ``set_stance("fail_on_recompile")`` (the
+    caller's "no recompiles after warm-up" promise for their own code) compiled its kernel
+    inside the commit and raised there: the first parameter moved, the second did not, and
+    the optimizer latched."""
+    torch._dynamo.reset()  # no graph of the one-row class left from another test
+    first, second = _model()[:2]
+    optimizer = Gefen([first], lr=1e-2, momentum_codec="none", fused=True)
+    _grads([first], 1)
+    optimizer.step()  # the warm-up
+    optimizer.add_param_group({"params": [second]})  # a new class: a dimension of 1
+    _grads([first, second], 2)
+    before = [first.detach().clone(), second.detach().clone()]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        optimizer.step()
+    assert optimizer.global_step == 2
+    assert all(not torch.equal(b, p) for b, p in zip(before, (first, second), strict=True))

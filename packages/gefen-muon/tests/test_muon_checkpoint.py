@@ -755,7 +755,7 @@ FAIL_CLOSED = [
     (
         "normuon_step past global_step",
         _set(0, "normuon_step", lambda e: 2**63 - 1),
-        "'enc.weight': 'normuon_step' 9223372036854775807 exceeds global_step",
+        "entry 0: 'normuon_step' 9223372036854775807 exceeds global_step",
     ),
     # 7. codebook
     (

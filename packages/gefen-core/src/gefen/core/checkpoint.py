@@ -455,8 +455,8 @@ def _check_counters(
             age = entry.get(key)
             if isinstance(age, int) and age > global_step * listings[places[position]]:
                 raise loader.reject(
-                    f"{_label_at(groups, position)}: '{key}' {age} exceeds global_step "
-                    f"{global_step} (no run updates a parameter more often than it steps)"
+                    f"entry {position}: '{key}' {age} exceeds global_step {global_step} "
+                    f"({_label_at(groups, position)}: no run updates a parameter more often)"
                 )
 
 

@@ -9,6 +9,7 @@ recompiles.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
@@ -125,11 +126,24 @@ def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any
         clone = types.FunctionType(
             code, function.__globals__, code.co_name, function.__defaults__, function.__closure__
         )
-        found = torch.compile(  # type: ignore[call-overload]  # the overloads lack the limit
+        compiled = torch.compile(  # type: ignore[call-overload]  # the overloads lack the limit
             clone, fullgraph=True, dynamic=True, recompile_limit=GRAPHS_PER_VARIANT
         )
-        _COMPILED[key] = found
+        found = _COMPILED[key] = _in_the_default_stance(compiled)
     return found
+
+
+def _in_the_default_stance(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` run in Dynamo's default stance: a new shape class compiles its graph on
+    first use, inside a commit, where a caller's ``set_stance("fail_on_recompile")`` (a promise
+    about their own code) would fail the step part-way and latch it."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any) -> Any:
+        with torch.compiler.set_stance("default"):
+            return compiled(*args)
+
+    return call
 
 
 def compiled_graph_count() -> int:

@@ -241,15 +241,22 @@ TORCH_ONLY_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable")
 """torch.optim flags the Gefen optimizers do not implement: set in a group, it was ignored."""
 
 
+_CAPTURABLE_HINT = (
+    "; torch.compile adds capturable=True to the param groups a compiled function writes, "
+    "so set options outside the compiled function"
+)
+
+
 def check_torch_flags(group: Mapping[str, Any]) -> None:
     """A group that sets one of ``TORCH_ONLY_FLAGS`` (anything but absent, None or False) is
     refused by name: the step would silently run without it (``maximize=True`` descends)."""
     for name in TORCH_ONLY_FLAGS:
         value = group.get(name)
         if value is not None and value is not False:
+            hint = _CAPTURABLE_HINT if name == "capturable" else ""
             raise ValueError(
                 f"{name}={value!r} is not supported: a torch.optim flag this optimizer does not "
-                "implement (remove it from the param group)"
+                f"implement (remove it from the param group{hint})"
             )
 
 

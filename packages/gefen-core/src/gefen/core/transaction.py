@@ -336,6 +336,7 @@ def _transaction(
     return loss
 
 
+@lazily_disable_dynamo  # as torch's own load_state_dict
 def run_load(
     optimizer: LoadParticipant,
     prepare: Callable[[], PreparedLoadLike],
@@ -354,7 +355,8 @@ def run_load(
     count as none."""
     if torch.is_inference_mode_enabled():  # as run_step: loaded state is no inference tensor
         with torch.inference_mode(False):
-            return run_load(optimizer, prepare, incoming)
+            run_load(optimizer, prepare, incoming)
+            return
     in_place = incoming is not None and optimizer.written_in_place(incoming)
     refused_values = None if in_place else optimizer.live_values_refusal
     op = optimizer.guarded_operation()

@@ -134,6 +134,7 @@ def fresh_hook_registries(optimizer: object, *, keep_existing: bool = False) -> 
             setattr(optimizer, name, OrderedDict())
 
 
+@lazily_disable_dynamo  # as torch's own: a traced group holds Dynamo's capturable=True
 def state_dict_with_hooks(optimizer: object, build: Callable[[], dict[str, Any]]) -> Any:
     """torch's ``state_dict`` protocol around ``build``: pre-hooks, then post-hooks, each of
     which may replace the result."""
