@@ -74,3 +74,39 @@ def test_local_shard_variant_is_selected_by_layout() -> None:
     ]
     assert names == ["q8_block_local"]
     assert all(v.name != "q8_factored" for v in contract.state_layout.parameter_variants)
+
+
+def test_entries_left_factored_by_a_family_edit_stay_declared() -> None:
+    # docs/core.md §8.4: an edit to the block family migrates each entry at its next update;
+    # the contract dropped the factored variant at once, and the optimizer's own state_dict
+    # (an entry without a gradient since keeps v_row and v_col) then failed it.
+    a, b = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = Gefen([a, b], lr=1e-2)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    optimizer.step()
+    optimizer.param_groups[0]["factored_v_2d"] = False
+    a.grad, b.grad = torch.randn_like(a), None
+    optimizer.step()
+    assert "v_row" in optimizer.state[b]
+    assert "v_row" not in optimizer.state[a]
+    matched = check_state_dict(
+        check_provider(optimizer),
+        optimizer.state_dict(),
+        ndims={0: 2, 1: 2},
+        parameter_layouts=dict.fromkeys((0, 1), ParameterLayout.REPLICATED),
+    )
+    assert matched == {0: ("q8_block",), 1: ("q8_factored",)}
+
+
+def test_the_native_checkpoint_claims_dcp_resharding_of_row_sharded_state() -> None:
+    # docs/core.md §9.1: DCP reshards row-sharded state to any world size; the contract said
+    # nothing of it, an explicit "unsupported".
+    from gefen.contracts import CheckpointTransport, TopologyChange
+
+    native = next(
+        entry
+        for entry in check_provider(_trained()).capabilities.checkpoints
+        if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER
+    )
+    assert native.topology_changing == {ParameterLayout.DTENSOR_1D_DEFAULT_WORLD}
+    assert native.topology_change_kinds == {TopologyChange.PLACEMENT_RESHARD}

@@ -1245,3 +1245,31 @@ def test_dtensor_target_is_rejected(one_rank_mesh: Any) -> None:
     )
     setup.finalize()
     trains(setup.opt)
+
+
+def test_the_contract_describes_the_installed_layouts_state_and_checkpoints() -> None:
+    # It listed the flattened layout for training only: its variants and its checkpoints'
+    # layouts left it out, so the optimizer's own state_dict failed its own contract.
+    from gefen.contracts import CheckpointTransport
+    from gefen.contracts.conformance import check_provider, check_state_dict
+
+    setup = make("flat")
+    setup.finalize()
+    for seed in range(2):
+        fill_grads(setup.live(), seed)
+        setup.opt.step()
+    contract = check_provider(setup.opt)
+    flat = ParameterLayout.FLATTENED_ELEMENT_SHARD
+    live = setup.live()
+    layouts = {
+        i: flat if fqn == "layer.weight" else ParameterLayout.REPLICATED
+        for i, fqn in enumerate(ORDER)
+    }
+    ndims = {i: p.dim() for i, p in enumerate(live)}
+    matched = check_state_dict(
+        contract, setup.opt.state_dict(), ndims=ndims, parameter_layouts=layouts
+    )
+    assert matched[ORDER.index("layer.weight")] == ("q8_block_local",)
+    for entry in contract.capabilities.checkpoints:
+        if entry.transport is not CheckpointTransport.PYTORCH_RANK_LOCAL:
+            assert flat in entry.same_topology

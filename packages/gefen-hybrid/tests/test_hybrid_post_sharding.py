@@ -654,3 +654,27 @@ def test_scope_mismatch_in_the_backup_half_leaves_the_muon_half_untouched() -> N
     trains(target.hybrid, seed=30)
     rejects(target.hybrid, lambda: target.hybrid.load_state_dict(sd), ValueError, SCOPE)
     trains(target.hybrid, seed=31)
+
+
+def test_the_contract_describes_the_installed_layouts_state_and_checkpoint() -> None:
+    # Both children's installed layouts were listed for training only: the state of the
+    # whole-owner and flattened parameters failed the hybrid's own contract.
+    from gefen.contracts import ParameterLayout
+    from gefen.contracts.conformance import check_provider, check_state_dict
+
+    setup = make("mixed")
+    setup.finalize()
+    hybrid = setup.hybrid
+    for _ in range(2):
+        for param in params(hybrid):
+            param.grad = torch.randn_like(param)
+        hybrid.step()
+    contract = check_provider(hybrid)
+    fqn_of = {id(target): fqn for fqn, target in setup.targets.items()}
+    live = params(hybrid)
+    layouts = {i: setup.shards[fqn_of[id(p)]].layout for i, p in enumerate(live)}
+    installed = {ParameterLayout.WHOLE_PARAMETER_OWNER, ParameterLayout.FLATTENED_ELEMENT_SHARD}
+    assert installed <= set(layouts.values())
+    ndims = {i: p.dim() for i, p in enumerate(live)}
+    check_state_dict(contract, hybrid.state_dict(), ndims=ndims, parameter_layouts=layouts)
+    assert installed <= contract.capabilities.checkpoints[0].same_topology

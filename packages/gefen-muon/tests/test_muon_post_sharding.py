@@ -653,3 +653,28 @@ def test_checkpoint_binding_without_an_installed_binding(mode: str) -> None:
     rejects(opt, lambda: opt.load_state_dict(sd, checkpoint_binding=cp), BindingError, NO_GROUP)
     opt.load_state_dict(sd)
     trains(opt)
+
+
+def test_the_contract_describes_a_whole_parameter_owners_state_and_checkpoints() -> None:
+    # It listed the owner layout for training only: no state variant covered an owner's
+    # entry, so the optimizer's own state_dict failed its own contract.
+    from gefen.contracts import CheckpointTransport, ParameterLayout
+    from gefen.contracts.conformance import check_provider, check_state_dict
+    from gefen.core.testing import takes_a_step
+
+    setup = make("mixed")
+    setup.finalize()
+    for seed in range(2):
+        takes_a_step(setup.opt, seed=seed)
+    contract = check_provider(setup.opt)
+    layouts = {i: setup.shards[fqn].layout for i, fqn in enumerate(ORDER)}
+    assert ParameterLayout.WHOLE_PARAMETER_OWNER in layouts.values()
+    check_state_dict(
+        contract, setup.opt.state_dict(), ndims=dict.fromkeys(layouts, 2), parameter_layouts=layouts
+    )
+    native = [
+        entry
+        for entry in contract.capabilities.checkpoints
+        if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER
+    ]
+    assert all(ParameterLayout.WHOLE_PARAMETER_OWNER in entry.same_topology for entry in native)

@@ -25,6 +25,7 @@ from gefen.contracts import (
     StateGeometry,
     StateScope,
     StateVariant,
+    TopologyChange,
     TrainingSupport,
 )
 from gefen.core.options import CODEBOOK_CODECS, VARIANT_PREFIX, group_codecs
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "api_flags",
+    "checkpoint_scope",
     "extras_field",
     "finalized_training",
     "gefen_contract",
+    "installed_layouts",
     "parameter_field",
 ]
 
@@ -92,24 +95,29 @@ def _fields() -> tuple[StateField, ...]:
     )
 
 
-def _variants(codecs: tuple[str, ...], factored: bool) -> tuple[StateVariant, ...]:
+def _variants(
+    codecs: tuple[str, ...], factored: bool, installed: frozenset[ParameterLayout]
+) -> tuple[StateVariant, ...]:
     """The uninitialized variant, then each codec's (``codecs``: every codec some group
-    keeps)."""
+    keeps; ``installed``: the layouts ``post_sharding`` installed)."""
     variants = [
         StateVariant(
             name="uninitialized",
             fields=("period",),
-            layouts=frozenset({_REPLICATED, _SHARD}),
+            layouts=frozenset({_REPLICATED, _SHARD}) | installed,
             extent=StateExtent.METADATA_ONLY,
             initialized=False,
         )
     ]
+    local = frozenset({_SHARD}) | (installed & {ParameterLayout.FLATTENED_ELEMENT_SHARD})
     for codec in codecs:
-        variants += _codec_variants(codec, factored)
+        variants += _codec_variants(codec, factored, local)
     return tuple(variants)
 
 
-def _codec_variants(codec: str, factored: bool) -> list[StateVariant]:
+def _codec_variants(
+    codec: str, factored: bool, local: frozenset[ParameterLayout]
+) -> list[StateVariant]:
     prefix = VARIANT_PREFIX[codec]
     coded = codec in CODEBOOK_CODECS
     momentum = ("momentum_codes", "momentum_scale") if coded else ("momentum",)
@@ -124,7 +132,7 @@ def _codec_variants(codec: str, factored: bool) -> list[StateVariant]:
         StateVariant(
             name=f"{prefix}_block_local",
             fields=block_fields,
-            layouts=frozenset({_SHARD}),
+            layouts=local,  # a DTensor's rows, a flattened slice
             extent=StateExtent.LOCAL_STORAGE,
         ),
     ]
@@ -141,27 +149,45 @@ def _codec_variants(codec: str, factored: bool) -> list[StateVariant]:
     return variants
 
 
-def _checkpoints(collective: bool) -> tuple[CheckpointSupport, ...]:
+def _checkpoints(optimizer: ShellInterface, collective: bool) -> tuple[CheckpointSupport, ...]:
+    """Native (DCP reshards row-sharded state, docs/core.md §9.1) and rank-local transports,
+    over the installed layouts too."""
+    layouts = frozenset({_REPLICATED, _SHARD}) | installed_layouts(optimizer)
+    scope = checkpoint_scope(optimizer, collective)
     return (
         CheckpointSupport(
             transport=CheckpointTransport.NATIVE_OPTIMIZER,
-            same_topology=frozenset({_REPLICATED, _SHARD}),
-            process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
-            if collective
-            else ProcessGroupScope.NONE,
+            same_topology=layouts,
+            process_group_scope=scope,
+            topology_changing=frozenset({_SHARD}),
+            topology_change_kinds=frozenset({TopologyChange.PLACEMENT_RESHARD}),
             requires_collective=collective,
             atomic_load=True,
         ),
         CheckpointSupport(
             transport=CheckpointTransport.PYTORCH_RANK_LOCAL,
-            same_topology=frozenset({_REPLICATED, _SHARD}),
-            process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
-            if collective
-            else ProcessGroupScope.NONE,
+            same_topology=layouts,
+            process_group_scope=scope,
             requires_collective=collective,
             atomic_load=True,
         ),
     )
+
+
+def installed_layouts(optimizer: ShellInterface) -> frozenset[ParameterLayout]:
+    """The layouts ``post_sharding`` installed (none before)."""
+    finalized = optimizer.finalized
+    return frozenset() if finalized is None else frozenset(s.layout for s, _ in finalized.shards)
+
+
+def checkpoint_scope(optimizer: ShellInterface, collective: bool) -> ProcessGroupScope:
+    """Where a checkpoint's collectives get their group: the installed binding's (the adapter's),
+    else the parameters' mesh; none without a scope."""
+    if not collective:
+        return ProcessGroupScope.NONE
+    if optimizer.finalized is not None and optimizer.finalized.binding is not None:
+        return ProcessGroupScope.ADAPTER_DEFINED
+    return ProcessGroupScope.INFERRED_DEVICE_MESH
 
 
 def api_flags(optimizer: ShellInterface) -> dict[str, bool]:
@@ -198,7 +224,10 @@ def gefen_contract(
 ) -> OptimizerContract:
     """Build the contract from the live options and failure scope; reads only."""
     codecs = group_codecs(groups)
-    factored = any(bool(group.get("factored_v_2d")) for group in groups)
+    # a live edit to the block family migrates each entry at its next update (§8.4)
+    factored = any(bool(group.get("factored_v_2d")) for group in groups) or any(
+        "v_row" in entry for entry in optimizer.state.values()
+    )
     collective = len(optimizer.step_failure_scope()) > 0
     capabilities = OptimizerCapabilities(
         training=(
@@ -208,13 +237,14 @@ def gefen_contract(
             ),
             *finalized_training(optimizer),
         ),
-        checkpoints=_checkpoints(collective),
+        checkpoints=_checkpoints(optimizer, collective),
         precisions=frozenset(
             {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
         ),
         **api_flags(optimizer),  # type: ignore[arg-type]
     )
-    layout = OptimizerStateLayout(fields=_fields(), parameter_variants=_variants(codecs, factored))
+    variants = _variants(codecs, factored, installed_layouts(optimizer))
+    layout = OptimizerStateLayout(fields=_fields(), parameter_variants=variants)
     return OptimizerContract(
         implementation=implementation, state_layout=layout, capabilities=capabilities
     )

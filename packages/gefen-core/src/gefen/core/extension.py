@@ -26,7 +26,8 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``VARIANT_PREFIX`` (codebook8 and codebook4), ``lr_value``, ``real_value``,
   ``amp_scaling_supported``, ``check_finite_gradients``, ``validate_gradient_structure``,
   ``is_dtensor``, ``local_tensor``, ``parameter_label``;
-* contracts: ``api_flags``, ``extras_field``, ``finalized_training``, ``parameter_field``.
+* contracts: ``api_flags``, ``checkpoint_scope``, ``extras_field``, ``finalized_training``,
+  ``installed_layouts``, ``parameter_field``.
 
 Everything here is covered by gefen-core's own tests (``tests/test_core_extension_api.py``
 checks the list itself). Changing a signature here is a breaking change of gefen-core.
@@ -36,7 +37,14 @@ from __future__ import annotations
 
 from gefen.core import fused as _fused
 from gefen.core.checkpoint import PreparedLoad
-from gefen.core.contract import api_flags, extras_field, finalized_training, parameter_field
+from gefen.core.contract import (
+    api_flags,
+    checkpoint_scope,
+    extras_field,
+    finalized_training,
+    installed_layouts,
+    parameter_field,
+)
 from gefen.core.deferred import PendingEntry
 from gefen.core.finalization import PreparedFinalization
 from gefen.core.kernels import row_period, select_period
@@ -106,6 +114,7 @@ __all__ = [
     "check_lr",
     "check_optimizer_wide",
     "check_torch_flags",
+    "checkpoint_scope",
     "codes_per_byte",
     "copy_containers",
     "eager_advance_momentum_",
@@ -116,6 +125,7 @@ __all__ = [
     "fused_momentum",
     "group_codecs",
     "group_uses_codebook",
+    "installed_layouts",
     "is_dtensor",
     "is_initialized",
     "local_rows",

@@ -94,6 +94,17 @@ def _native_layouts(child: OptimizerChildContract) -> frozenset[ParameterLayout]
     return frozenset().union(*native)
 
 
+def _native_scope(child: OptimizerChildContract) -> ProcessGroupScope | None:
+    if child.contract is None:
+        return None
+    native = [
+        entry.process_group_scope
+        for entry in child.contract.capabilities.checkpoints
+        if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER
+    ]
+    return native[0] if native else None
+
+
 def _adamw_layout() -> OptimizerStateLayout:
     """What a torch AdamW backup keeps per parameter (amsgrad adds one moment)."""
     moments = ("step", "exp_avg", "exp_avg_sq")
@@ -153,13 +164,22 @@ def hybrid_contract(hybrid: HybridInterface) -> OptimizerContract:
         elif hybrid.backup is not None and not all(map(fp16_safe, hybrid.backup.param_groups)):
             precisions = precisions - {Precision.FLOAT16}  # refused under GradScaler, above
         same_topology = same_topology & _native_layouts(child)
+    # each layout post_sharding installed is its child's own, which that child's load takes
+    same_topology |= {
+        entry.layout
+        for child in children
+        if child.contract is not None
+        for entry in child.contract.capabilities.training
+        if entry.process_group_scope is ProcessGroupScope.ADAPTER_DEFINED
+    }
     collective = len(hybrid.step_failure_scope()) > 0
+    scope = ProcessGroupScope.INFERRED_DEVICE_MESH if collective else ProcessGroupScope.NONE
+    if collective and any(_native_scope(c) is ProcessGroupScope.ADAPTER_DEFINED for c in children):
+        scope = ProcessGroupScope.ADAPTER_DEFINED  # the installed binding's group
     checkpoint = CheckpointSupport(
         transport=CheckpointTransport.COMPOSITE_NATIVE,
         same_topology=same_topology,
-        process_group_scope=ProcessGroupScope.INFERRED_DEVICE_MESH
-        if collective
-        else ProcessGroupScope.NONE,
+        process_group_scope=scope,
         requires_collective=collective,
         atomic_load=True,
     )

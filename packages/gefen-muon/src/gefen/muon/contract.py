@@ -30,9 +30,11 @@ from gefen.core.extension import (
     CODEBOOK_CODECS,
     VARIANT_PREFIX,
     api_flags,
+    checkpoint_scope,
     extras_field,
     finalized_training,
     group_codecs,
+    installed_layouts,
     parameter_field,
 )
 
@@ -88,19 +90,24 @@ def _momentum_variants(
 
 
 def _variants(
-    codecs: tuple[str, ...], global_shards: bool, local_shards: bool
+    codecs: tuple[str, ...],
+    global_shards: bool,
+    local_shards: bool,
+    installed: frozenset[ParameterLayout],
 ) -> tuple[StateVariant, ...]:
-    """The uninitialized variant, then each kept codec's."""
+    """The uninitialized variant, then each kept codec's (``installed``: the layouts
+    ``post_sharding`` installed; a whole-parameter owner holds the full matrix's state)."""
     variants = [
         StateVariant(
             name="uninitialized",
             fields=("period",),
-            layouts=frozenset({_REPLICATED, _SHARD}),
+            layouts=frozenset({_REPLICATED, _SHARD}) | installed,
             extent=StateExtent.METADATA_ONLY,
             initialized=False,
         )
     ]
     global_layouts = frozenset({_REPLICATED, _SHARD}) if global_shards else frozenset({_REPLICATED})
+    global_layouts |= installed & {ParameterLayout.WHOLE_PARAMETER_OWNER}
     for codec in codecs:
         prefix = VARIANT_PREFIX[codec]
         momentum = (
@@ -133,9 +140,11 @@ def _training(modes: set[str]) -> tuple[TrainingSupport, ...]:
     return tuple(training)
 
 
-def _checkpoints(modes: set[str], collective: bool) -> tuple[CheckpointSupport, ...]:
-    scope = ProcessGroupScope.INFERRED_DEVICE_MESH if collective else ProcessGroupScope.NONE
-    layouts = frozenset({_REPLICATED, _SHARD})
+def _checkpoints(
+    optimizer: ShellInterface, modes: set[str], collective: bool
+) -> tuple[CheckpointSupport, ...]:
+    scope = checkpoint_scope(optimizer, collective)
+    layouts = frozenset({_REPLICATED, _SHARD}) | installed_layouts(optimizer)
     global_only = "approx" not in modes
     native = CheckpointSupport(
         transport=CheckpointTransport.NATIVE_OPTIMIZER,
@@ -166,7 +175,7 @@ def muon_contract(optimizer: ShellInterface) -> OptimizerContract:
     collective = len(optimizer.step_failure_scope()) > 0
     capabilities = OptimizerCapabilities(
         training=_training(modes) + finalized_training(optimizer),
-        checkpoints=_checkpoints(modes, collective),
+        checkpoints=_checkpoints(optimizer, modes, collective),
         precisions=frozenset(
             {Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT16, Precision.FLOAT64}
         ),
@@ -179,6 +188,7 @@ def muon_contract(optimizer: ShellInterface) -> OptimizerContract:
             group_codecs(optimizer.param_groups),
             global_shards=bool(modes & {"exact", "distributed"}),
             local_shards="approx" in modes,
+            installed=installed_layouts(optimizer),
         ),
     )
     return OptimizerContract(
