@@ -204,6 +204,9 @@ def scenario_one_rank_refusals(rank: int, world_size: int) -> dict[str, Any]:
     channel = world_binding().channel
     return {
         "fraction": outcome(lambda: operation.sum_int64(fraction)),
+        "complex": outcome(
+            lambda: operation.sum_int64(fraction.to(torch.complex64) if rank == 1 else fraction)
+        ),
         "limits": outcome(
             lambda: all_gather_records({"a": 1}, channel=channel, owner_name="Gefen", limits=limits)
         ),
@@ -541,7 +544,9 @@ def test_a_refusal_one_member_meets_fails_every_member_at_once(world: ScenarioWo
         assert "on 1 member(s)" in result["fraction"]["error"]
         assert result["limits"]["type"] == "GroupAgreementError"
         assert "different TransportLimits" in result["limits"]["error"]
-        for case in ("fraction", "limits"):
+        assert result["complex"]["type"] == "ValueError"
+        assert "on 1 member(s)" in result["complex"]["error"]
+        for case in ("fraction", "complex", "limits"):
             assert result[case]["elapsed"] < FAIL_FAST_S, (case, result[case])
         assert result["after"] == {
             "error": None,

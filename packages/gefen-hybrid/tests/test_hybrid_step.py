@@ -967,7 +967,7 @@ BAD_ADAMW_OPTIONS = [
     ("eps", -1e-8, "eps must be finite and > 0"),
     # These failed inside the backup's commit, after the Muon half was written: a (1, 1) eps
     # cannot broadcast a bias's in-place update, a meta tensor holds no value.
-    ("eps", torch.tensor([[1e-8]]), "eps must be a real number or a 1-element real tensor of"),
+    ("eps", torch.tensor([[1e-8]]), "eps may have at most 1 dimensions (its parameters')"),
     ("lr", torch.tensor(1e-3, device="meta"), "lr is a meta tensor, which holds no value"),
     ("weight_decay", torch.tensor(0.0, device="meta"), "weight_decay is a meta tensor"),
 ]
@@ -995,6 +995,33 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("eps", torch.tensor([1e-8]), "eps may have at most 0 dimensions (the for-each step"),
+        ("weight_decay", torch.tensor([0.1]), "weight_decay may have at most 0 dimensions"),
+        ("betas", (torch.tensor(0.9), torch.tensor(0.99)), "tensor betas with foreach need"),
+    ],
+)
+def test_an_adamw_backup_refuses_what_its_for_each_step_cannot_take(
+    key: str, value: object, fragment: str
+) -> None:
+    # torch's for-each AdamW raised these inside the backup's commit, after the Muon half.
+    hybrid = _hybrid(_model(), "adamw")
+    assert hybrid.backup is not None
+    group = hybrid.backup.param_groups[0]
+    group["foreach"] = True
+    _set_grads(hybrid, 33)
+    before = _snapshot(hybrid)
+    good = group[key]
+    group[key] = value
+
+    def restore() -> None:
+        group[key] = good
+
+    _rejects(hybrid, hybrid.step, ValueError, fragment, restore=restore, before=before)
+
+
 def test_an_adamw_backup_takes_the_tensor_shapes_torch_squeezes() -> None:
     # torch's AdamW squeezes lr and the betas: a (1, 1) tensor steps there, and here too.
     hybrid = _hybrid(_model(), "adamw")
@@ -1003,6 +1030,21 @@ def test_an_adamw_backup_takes_the_tensor_shapes_torch_squeezes() -> None:
     group["lr"] = torch.tensor([[1e-3]])
     group["betas"] = (torch.tensor([[0.9]]), 0.999)
     _stepped(hybrid)
+    # A (1, 1) eps broadcasts onto matrices: torch's single-tensor step takes it for a group
+    # of matrices (an embedding), and the hybrid refused it.
+    embedding, hidden = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(6, 6))
+    matrices = GefenMuonHybrid(
+        [
+            {"params": [hidden], "use_muon": True},
+            {"params": [embedding], "use_muon": False, "eps": torch.full((1, 1), 1e-8)},
+        ],
+        backup_optimizer="adamw",
+        backup_adamw_kwargs={"foreach": False},
+    )
+    hidden.grad, embedding.grad = torch.randn(6, 6), torch.ones(4, 3)
+    before = embedding.detach().clone()
+    matrices.step()
+    assert not torch.equal(before, embedding)
 
 
 @pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])

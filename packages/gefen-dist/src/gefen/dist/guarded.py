@@ -69,8 +69,8 @@ def _all_gather_words(channel: Channel, words: list[int]) -> tuple[tuple[int, ..
 
 
 _NOT_INT64 = (
-    "sum_int64 sums integers: the tensor holds a fraction, a NaN, an infinity or a value outside "
-    "int64's range"
+    "sum_int64 sums integers: the tensor holds a complex value, a fraction, a NaN, an infinity "
+    "or a value outside int64's range"
 )
 
 
@@ -78,8 +78,8 @@ def _exact_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A copy of ``tensor`` as int64, and whether converting it would change a value (then
     zeros): ``sum_int64`` is exact, so a fraction, a NaN or a value past int64 is no input."""
     values = tensor.detach()
-    if values.is_complex():
-        raise ValueError("sum_int64 sums integers, got a complex tensor")
+    if values.is_complex():  # refused through the all-reduce too: it is one member's data
+        return torch.zeros(values.shape, dtype=torch.int64, device=values.device), True
     if values.is_floating_point():
         held = values.to(torch.float64)
         fits = (held >= -(2.0**63)) & (held < 2.0**63) & (held == held.round())

@@ -34,20 +34,13 @@ _CAPTURABLE_DEVICES = ("cuda", "xpu", "hpu", "privateuseone", "xla")  # torch's 
 
 def _real(value: object, where: str, name: str) -> float | None:
     """The value of a real number or a 1-element real tensor (None for a tensor off the CPU,
-    whose value is not read so that the preflight never synchronises a device). torch's AdamW
-    squeezes lr and the betas, but adds eps and weight_decay to 1-D updates in place as they
-    are: a (1, 1) tensor there cannot broadcast to a bias."""
+    whose value is not read so that the preflight never synchronises a device; the shapes the
+    step takes are ``_check_tensor_shapes``'s)."""
     if isinstance(value, Tensor):
-        squeezed = name == "lr" or name.startswith("betas")
-        if (
-            value.numel() != 1
-            or not value.is_floating_point()
-            or (value.dim() > 1 and not squeezed)
-        ):
+        if value.numel() != 1 or not value.is_floating_point():
             raise ValueError(
-                f"{where}: {name} must be a real number or a 1-element real tensor"
-                f"{'' if squeezed else ' of at most one dimension'}, got a {value.dtype} tensor "
-                f"of shape {tuple(value.shape)}"
+                f"{where}: {name} must be a real number or a 1-element real tensor, got a "
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
             )
         if value.is_meta:  # it holds no value: the backup's step would fail reading it
             raise ValueError(f"{where}: {name} is a meta tensor, which holds no value")
@@ -93,6 +86,31 @@ def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}: differentiable=True is not supported (the step would fail)")
     if group["foreach"] and isinstance(group.get("lr"), Tensor) and not group["capturable"]:
         raise ValueError(f"{where}: a tensor lr with foreach=True needs capturable=True")
+    _check_tensor_shapes(group, where)
+
+
+def _check_tensor_shapes(group: Mapping[str, Any], where: str) -> None:
+    """The tensor options torch's AdamW step takes as they are (it squeezes lr alone): the
+    for-each step wants 0-d ``eps`` and ``weight_decay`` and, without capturable, no tensor
+    betas; the single-tensor one adds them to each update in place, so they may have no more
+    dimensions than the smallest parameter. Either would fail inside the backup's commit."""
+    params = [p for p in group.get("params", ()) if isinstance(p, Tensor)]
+    foreach = group["foreach"] or (
+        group["foreach"] is None and bool(params) and all(p.device.type == "cuda" for p in params)
+    )
+    if foreach and not group["capturable"] and any(isinstance(b, Tensor) for b in group["betas"]):
+        raise ValueError(f"{where}: tensor betas with foreach need capturable=True")
+    for name in ("eps", "weight_decay"):
+        value = group[name]
+        if not isinstance(value, Tensor):
+            continue
+        allowed = 0 if foreach else min((p.dim() for p in params), default=value.dim())
+        if value.dim() > allowed:
+            why = "the for-each step adds a 0-d tensor" if foreach else "its parameters'"
+            raise ValueError(
+                f"{where}: {name} may have at most {allowed} dimensions ({why}), got shape "
+                f"{tuple(value.shape)}"
+            )
 
 
 def _check_state(
