@@ -386,6 +386,11 @@ REJECTIONS = [
         lambda sd: sd["state"][1].pop("step"),
         r"param_groups\[1\]\[0\]'s entry in the file holds no 'step'",
     ),
+    (
+        "entry cut to its period",
+        lambda sd: sd["state"].__setitem__(1, {"period": sd["state"][1]["period"]}),
+        r"param_groups\[1\]\[0\]'s entry in the file holds no 'step'",
+    ),
     # Named by position within the file ("entry 1"), unlike every other entry rule.
     (
         "step past global_step",

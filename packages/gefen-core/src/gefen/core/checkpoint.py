@@ -400,7 +400,7 @@ def _saved_entries(
         if entry is not None and is_dtensor(param) and local_tensor(param).numel() == 0:
             continue  # this rank holds no row of it, so no state (docs/core.md §9.1)
         if param.requires_grad or not is_initialized(optimizer.state.get(param, {})):
-            bare = entry is None or set(entry) <= {"period"}  # a template's own placeholder
+            bare = entry is None or entry == {"period": 0}  # a template's own placeholder
             cause = _FROZEN if not param.requires_grad else _NO_STATE if bare else _NO_STEP
             why = f" ({_label_at(groups, position)}{cause})"
             raise loader.reject(f"initialized_params lists position {position} but its entry "
