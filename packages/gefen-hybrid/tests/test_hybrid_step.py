@@ -967,7 +967,11 @@ BAD_ADAMW_OPTIONS = [
     ("eps", -1e-8, "eps must be finite and > 0"),
     # These failed inside the backup's commit, after the Muon half was written: a (1, 1) eps
     # cannot broadcast a bias's in-place update, a meta tensor holds no value.
-    ("eps", torch.tensor([[1e-8]]), "eps may have at most 1 dimensions (its parameters')"),
+    (
+        "eps",
+        torch.tensor([[1e-8]]),
+        "eps may have at most 1 dimensions (torch's single-tensor AdamW",
+    ),
     ("lr", torch.tensor(1e-3, device="meta"), "lr is a meta tensor, which holds no value"),
     ("weight_decay", torch.tensor(0.0, device="meta"), "weight_decay is a meta tensor"),
 ]
@@ -998,9 +1002,10 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [
-        ("eps", torch.tensor([1e-8]), "eps may have at most 0 dimensions (the for-each step"),
+        ("eps", torch.tensor([1e-8]), "eps may have at most 0 dimensions (torch's for-each"),
         ("weight_decay", torch.tensor([0.1]), "weight_decay may have at most 0 dimensions"),
         ("betas", (torch.tensor(0.9), torch.tensor(0.99)), "tensor betas with foreach need"),
+        ("fused", True, "eps may have at most 0 dimensions (torch's fused AdamW step)"),
     ],
 )
 def test_an_adamw_backup_refuses_what_its_for_each_step_cannot_take(
@@ -1010,7 +1015,9 @@ def test_an_adamw_backup_refuses_what_its_for_each_step_cannot_take(
     hybrid = _hybrid(_model(), "adamw")
     assert hybrid.backup is not None
     group = hybrid.backup.param_groups[0]
-    group["foreach"] = True
+    group["foreach"] = key != "fused"
+    if key == "fused":  # the fused step takes no 1-D eps either
+        group["eps"] = torch.tensor([1e-8])
     _set_grads(hybrid, 33)
     before = _snapshot(hybrid)
     good = group[key]
@@ -1029,6 +1036,9 @@ def test_an_adamw_backup_takes_the_tensor_shapes_torch_squeezes() -> None:
     group = hybrid.backup.param_groups[0]
     group["lr"] = torch.tensor([[1e-3]])
     group["betas"] = (torch.tensor([[0.9]]), 0.999)
+    _stepped(hybrid)
+    group["lr"], group["betas"] = 1e-3, (0.9, 0.999)
+    group["foreach"], group["weight_decay"] = True, torch.tensor([0.0])  # a zero decay: skipped
     _stepped(hybrid)
     # A (1, 1) eps broadcasts onto matrices: torch's single-tensor step takes it for a group
     # of matrices (an embedding), and the hybrid refused it.

@@ -90,13 +90,20 @@ def check_adamw_options(group: Mapping[str, Any], where: str) -> None:
 
 
 def _check_tensor_shapes(group: Mapping[str, Any], where: str) -> None:
-    """The tensor options torch's AdamW step takes as they are (it squeezes lr alone): the
-    for-each step wants 0-d ``eps`` and ``weight_decay`` and, without capturable, no tensor
-    betas; the single-tensor one adds them to each update in place, so they may have no more
-    dimensions than the smallest parameter. Either would fail inside the backup's commit."""
+    """The tensor options torch's AdamW step takes as they are (it squeezes lr alone): the fused
+    and for-each steps want 0-d ``eps`` and ``weight_decay`` and (for-each, without capturable)
+    no tensor betas; the single-tensor one adds them to each update in place, so they may have
+    no more dimensions than the smallest parameter (a zero decay it skips, as for-each does).
+    Each would fail inside the backup's commit."""
     params = [p for p in group.get("params", ()) if isinstance(p, Tensor)]
-    foreach = group["foreach"] or (
-        group["foreach"] is None and bool(params) and all(p.device.type == "cuda" for p in params)
+    fused = bool(group["fused"])
+    foreach = not fused and (
+        group["foreach"]
+        or (
+            group["foreach"] is None
+            and bool(params)
+            and all(p.device.type == "cuda" for p in params)
+        )
     )
     if foreach and not group["capturable"] and any(isinstance(b, Tensor) for b in group["betas"]):
         raise ValueError(f"{where}: tensor betas with foreach need capturable=True")
@@ -104,12 +111,14 @@ def _check_tensor_shapes(group: Mapping[str, Any], where: str) -> None:
         value = group[name]
         if not isinstance(value, Tensor):
             continue
-        allowed = 0 if foreach else min((p.dim() for p in params), default=value.dim())
+        if name == "weight_decay" and not fused and _real(value, where, name) == 0.0:
+            continue  # torch's for-each and single-tensor steps skip a zero decay
+        allowed = 0 if fused or foreach else min((p.dim() for p in params), default=value.dim())
         if value.dim() > allowed:
-            why = "the for-each step adds a 0-d tensor" if foreach else "its parameters'"
+            step = "fused" if fused else "for-each" if foreach else "single-tensor"
             raise ValueError(
-                f"{where}: {name} may have at most {allowed} dimensions ({why}), got shape "
-                f"{tuple(value.shape)}"
+                f"{where}: {name} may have at most {allowed} dimensions (torch's {step} AdamW "
+                f"step), got shape {tuple(value.shape)}"
             )
 
 
