@@ -25,6 +25,7 @@ __all__ = [
     "HOOK_REGISTRIES",
     "TORCH_INTERNALS",
     "copy_with_load_pre_hooks",
+    "dynamo_stance",
     "dynamo_unique_graphs",
     "foreach_mul_",
     "fresh_hook_registries",
@@ -60,6 +61,7 @@ TORCH_INTERNALS = (
     "_set_grad_enabled",
     "_compile",
     "_disable_dynamo",
+    "_stance",
 )
 """Every torch private name this module reads; the lint test allows them here only."""
 
@@ -170,6 +172,14 @@ a C callable, so the per-step checks that read it add no Python frame."""
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor in place by ``factor`` with one multi-tensor kernel."""
     torch._foreach_mul_(list(tensors), factor)
+
+
+def dynamo_stance() -> str:
+    """Dynamo's current stance name (``torch.compiler.set_stance`` offers no reader; entering
+    it costs about 70 µs, too much to do on every compiled call)."""
+    from torch._dynamo.eval_frame import _stance
+
+    return str(_stance.stance)
 
 
 def dynamo_unique_graphs() -> int:
