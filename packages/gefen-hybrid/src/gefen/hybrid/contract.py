@@ -83,26 +83,20 @@ def _children(hybrid: HybridInterface) -> tuple[OptimizerChildContract, ...]:
     return tuple(children)
 
 
+def _native(child: OptimizerChildContract) -> list[CheckpointSupport]:
+    """A child's native checkpoint claims (none for an AdamW backup, which has no contract)."""
+    if child.contract is None:
+        return []
+    checkpoints = child.contract.capabilities.checkpoints
+    return [
+        entry for entry in checkpoints if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER
+    ]
+
+
 def _native_layouts(child: OptimizerChildContract) -> frozenset[ParameterLayout]:
     if child.contract is None:
         return _ADAMW_LAYOUTS
-    native = [
-        entry.same_topology
-        for entry in child.contract.capabilities.checkpoints
-        if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER
-    ]
-    return frozenset().union(*native)
-
-
-def _native_scope(child: OptimizerChildContract) -> ProcessGroupScope | None:
-    if child.contract is None:
-        return None
-    native = [
-        entry.process_group_scope
-        for entry in child.contract.capabilities.checkpoints
-        if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER
-    ]
-    return native[0] if native else None
+    return frozenset().union(*(entry.same_topology for entry in _native(child)))
 
 
 def _adamw_layout() -> OptimizerStateLayout:
@@ -174,7 +168,8 @@ def hybrid_contract(hybrid: HybridInterface) -> OptimizerContract:
     }
     collective = len(hybrid.step_failure_scope()) > 0
     scope = ProcessGroupScope.INFERRED_DEVICE_MESH if collective else ProcessGroupScope.NONE
-    if collective and any(_native_scope(c) is ProcessGroupScope.ADAPTER_DEFINED for c in children):
+    adapter = ProcessGroupScope.ADAPTER_DEFINED
+    if collective and any(e.process_group_scope is adapter for c in children for e in _native(c)):
         scope = ProcessGroupScope.ADAPTER_DEFINED  # the installed binding's group
     checkpoint = CheckpointSupport(
         transport=CheckpointTransport.COMPOSITE_NATIVE,
