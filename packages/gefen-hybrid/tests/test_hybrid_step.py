@@ -985,9 +985,18 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     hybrid = _hybrid(_model(), "adamw")
     if later:
         _stepped(hybrid)
+    _set_grads(hybrid, 31)
+    info = _rejects_backup_edit(hybrid, key, value, fragment)
+    assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
+
+
+def _rejects_backup_edit(
+    hybrid: GefenMuonHybrid, key: str, value: object, fragment: str
+) -> pytest.ExceptionInfo[Any]:
+    """The AdamW backup's group 0 edited to ``key=value``: the step refuses it, nothing
+    changes, and the hybrid trains once the edit is undone."""
     assert hybrid.backup is not None
     group = hybrid.backup.param_groups[0]
-    _set_grads(hybrid, 31)
     before = _snapshot(hybrid)
     good = group[key]
     group[key] = value
@@ -995,8 +1004,7 @@ def test_a_bad_adamw_backup_option_fails_before_either_half_changes(
     def restore() -> None:
         group[key] = good
 
-    info = _rejects(hybrid, hybrid.step, ValueError, fragment, restore=restore, before=before)
-    assert "GefenMuonHybrid: AdamW backup group 0" in str(info.value)
+    return _rejects(hybrid, hybrid.step, ValueError, fragment, restore=restore, before=before)
 
 
 @pytest.mark.parametrize(
@@ -1019,14 +1027,7 @@ def test_an_adamw_backup_refuses_what_its_for_each_step_cannot_take(
     if key == "fused":  # the fused step takes no 1-D eps either
         group["eps"] = torch.tensor([1e-8])
     _set_grads(hybrid, 33)
-    before = _snapshot(hybrid)
-    good = group[key]
-    group[key] = value
-
-    def restore() -> None:
-        group[key] = good
-
-    _rejects(hybrid, hybrid.step, ValueError, fragment, restore=restore, before=before)
+    _rejects_backup_edit(hybrid, key, value, fragment)
 
 
 def test_an_adamw_backup_takes_the_tensor_shapes_torch_squeezes() -> None:
