@@ -393,3 +393,32 @@ def test_another_optimizers_checkpoint_gets_no_flattening_hint() -> None:
     with pytest.raises(ValueError, match="extras 'gefen' missing") as info:
         target.load_state_dict(adamw.state_dict())
     assert "flatten_optimizer_state_dict" not in str(info.value)
+
+
+PLAIN_DCP_HINT = "a plain state_dict() after torch.distributed.checkpoint"
+
+
+def test_a_plain_state_dict_through_a_dcp_file_is_refused_naming_the_route(
+    tmp_path: Path, rejects: Any
+) -> None:
+    """torch's AdamW survives ``dcp.save({"o": opt.state_dict()})`` and a load into a fresh
+    ``state_dict()`` (its counters are tensors); ours are Python ints, which DCP writes beside
+    the template under string ids. The load was refused with "a step-0 entry must hold
+    zeros", which named neither the cause nor the route that works."""
+    model = _Net(seed=0)
+    source = Gefen(model.parameters(), lr=0.01)
+    _train(model, source, range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"o": source.state_dict()}, checkpoint_id=str(tmp_path))
+        _, target = _fresh({}, model)
+        template = {"o": target.state_dict()}
+        dcp.load(template, checkpoint_id=str(tmp_path))
+    rejects(
+        target,
+        lambda: target.load_state_dict(template["o"]),
+        ValueError,
+        f"{PLAIN_DCP_HINT} (dcp.load fills",
+    )
+    with pytest.raises(ValueError, match="get_optimizer_state_dict and set_optimizer_state_dict"):
+        target.load_state_dict(template["o"])

@@ -362,6 +362,7 @@ def run_load(
     op = optimizer.guarded_operation()
 
     def checked() -> PreparedLoadLike:
+        _refuse_plain_dcp_round_trip(incoming, optimizer.OWNER_NAME)
         prepared = prepare()  # its own refusals first: these rules are the last
         if refused_values is not None and optimizer.shares_live_state(incoming):
             raise ValueError(f"{optimizer.OWNER_NAME} checkpoint: {refused_values}")
@@ -387,6 +388,27 @@ def run_load(
     prepared.commit()
     optimizer.renote(kept)
     prepared.run_post_hooks()
+
+
+def _refuse_plain_dcp_round_trip(incoming: object, owner_name: str) -> None:
+    """A plain ``state_dict()`` saved with ``dcp.save`` and loaded into another's template
+    comes back with each entry twice: the template's tensors filled in place under the int id,
+    and the file's Python ints (``step``, ``period``) under the id as a string, since DCP
+    cannot write a non-tensor value in place. Neither half is the checkpoint; name the route
+    that is (docs/core.md §8.7)."""
+    state = incoming.get("state") if isinstance(incoming, Mapping) else None
+    if not isinstance(state, Mapping):
+        return
+    for key in state:
+        if type(key) is int and str(key) in state:
+            raise ValueError(
+                f"{owner_name} checkpoint: 'state' holds entry {key} twice, as {key} and as "
+                f"'{key}': that is a plain state_dict() after torch.distributed.checkpoint "
+                "(dcp.load fills the template's tensors in place but cannot write back the "
+                "Python ints 'step' and 'period'); save and load through "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict and "
+                "set_optimizer_state_dict, which carry them"
+            )
 
 
 LOAD_AGREEMENT = ("replicated state", "group options")
