@@ -56,6 +56,7 @@ EXPECTED = {
     "installed_layouts": "gefen.core.contract",
     "is_dtensor": "gefen.core.validation",
     "is_initialized": "gefen.core.state",
+    "iter_parameters": "gefen.core.validation",
     "local_rows": "gefen.core.resharding",
     "local_tensor": "gefen.core.validation",
     "lr_value": "gefen.core.options",

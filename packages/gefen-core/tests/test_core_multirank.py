@@ -377,8 +377,9 @@ def test_a_gradient_missing_on_one_rank_fails_every_rank_with_nothing_mutated(
     for result in world["missing_grad"]:
         assert result["error"] == (
             "GroupAgreementError: Gefen step preflight: gradient presence differs across the "
-            "process-group members (every member must present the same; nothing was changed)"
-        )
+            "process-group members (every member must present the same; nothing was changed); "
+            "parameters with a gradient on some members only: param_groups[0][3]"
+        )  # the parameters used to go unnamed
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["same"]  # the repaired step equals an untouched twin's, bit for bit

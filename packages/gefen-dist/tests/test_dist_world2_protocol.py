@@ -28,6 +28,7 @@ from gefen.dist import (
     any_true_over,
     collect_failure_scope,
     cuda_graph_capturing,
+    differing_positions,
     mesh_key,
     prepare_synchronized_amp_step,
     synchronize_step_error,
@@ -222,6 +223,18 @@ def scenario_any_true_over(rank: int, world_size: int) -> dict[str, Any]:
         "everybody": any_true_over(scope, True),
         "empty_scope_keeps_the_local_flag": any_true_over((), rank == 1),
         "scope_size": len(scope),
+    }
+
+
+def scenario_differing_positions(rank: int, world_size: int) -> dict[str, Any]:
+    scope = collect_failure_scope(sharded_optimizer(cpu_mesh()).param_groups)
+    ones = [True, False, None, True]
+    return {
+        "same": differing_positions(scope, ones),
+        "one_flag": differing_positions(scope, [True, rank == 0, None, True]),
+        "none_against_flag": differing_positions(scope, [True, None if rank else False]),
+        "longer_on_rank1": differing_positions(scope, ones + [True] * rank),
+        "empty_scope": differing_positions((), [rank == 0]),
     }
 
 
@@ -441,6 +454,7 @@ SCENARIOS = [
     ("vote_rank0_failure", scenario_vote_rank0_failure, ()),
     ("vote_messages", scenario_vote_messages, ()),
     ("any_true_over", scenario_any_true_over, ()),
+    ("differing_positions", scenario_differing_positions, ()),
     ("agreement_misuse", scenario_agreement_misuse, ()),
     ("one_rank_refusals", scenario_one_rank_refusals, ()),
     ("scope_one_mesh", scenario_scope_one_mesh, ()),
@@ -562,6 +576,18 @@ def test_any_true_over_tells_every_member(world: ScenarioWorld) -> None:
         assert result["nobody"] is False
         assert result["everybody"] is True
         assert result["empty_scope_keeps_the_local_flag"] is (rank == 1)
+
+
+def test_differing_positions_name_the_same_places_on_every_member(world: ScenarioWorld) -> None:
+    # What a refused presence vote reports by name: positions, agreed even across lengths.
+    for result in world["differing_positions"]:
+        assert result == {
+            "same": [],
+            "one_flag": [1],
+            "none_against_flag": [1],
+            "longer_on_rank1": [4],
+            "empty_scope": [],
+        }
 
 
 def test_scope_of_one_cpu_mesh(world: ScenarioWorld) -> None:

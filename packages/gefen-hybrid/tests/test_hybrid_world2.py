@@ -803,9 +803,10 @@ class TestGlooWorld2:
     ) -> None:
         # It used to be accepted: the rank without it skipped that backup shard silently.
         results = world[f"backup_presence_{backend}"]
-        message = (
+        message = (  # the parameter used to go unnamed
             "GefenMuonHybrid step preflight: gradient presence differs across the process-group "
-            "members (every member must present the same; nothing was changed)"
+            "members (every member must present the same; nothing was changed); parameters "
+            "with a gradient on some members only: 'norm.weight'"
         )
         _agreement_error(results, message, "gradient presence")
         _unchanged_and_trains(results)

@@ -602,7 +602,9 @@ class TestGlooWorld2:
     ) -> None:
         # approx has no presence/order collective of its own: the step vote compares the
         # presence pattern in its all-reduce (it used to skip the shard on one rank silently).
-        _agreement_error(world, "presence_approx", VOTED_PRESENCE, "gradient presence")
+        # The vote used to name no parameter.
+        named = f"{VOTED_PRESENCE}; parameters with a gradient on some members only: '2.weight'"
+        _agreement_error(world, "presence_approx", named, "gradient presence")
 
     def test_presence_mismatch_fails_before_amp_unscales(self, world: ScenarioWorld) -> None:
         message = PRESENCE.format(names="2.weight")

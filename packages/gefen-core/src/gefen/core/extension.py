@@ -25,7 +25,7 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``check_group_codec``, ``codes_per_byte``, ``variant_prefix``, ``CODEBOOK_CODECS``,
   ``VARIANT_PREFIX`` (codebook8 and codebook4), ``lr_value``, ``real_value``,
   ``amp_scaling_supported``, ``check_finite_gradients``, ``validate_gradient_structure``,
-  ``is_dtensor``, ``local_tensor``, ``parameter_label``;
+  ``is_dtensor``, ``local_tensor``, ``parameter_label``, ``iter_parameters``;
 * contracts: ``api_flags``, ``checkpoint_scope``, ``extras_field``, ``finalized_training``,
   ``installed_layouts``, ``parameter_field``.
 
@@ -83,6 +83,7 @@ from gefen.core.validation import (
     amp_scaling_supported,
     check_finite_gradients,
     is_dtensor,
+    iter_parameters,
     local_tensor,
     parameter_label,
     validate_gradient_structure,
@@ -128,6 +129,7 @@ __all__ = [
     "installed_layouts",
     "is_dtensor",
     "is_initialized",
+    "iter_parameters",
     "local_rows",
     "local_tensor",
     "lr_value",

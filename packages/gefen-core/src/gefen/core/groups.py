@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from gefen.core.options import check_optimizer_wide
@@ -21,13 +22,29 @@ from gefen.core.validation import (
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
 
-__all__ = ["check_membership", "check_param_tensor", "checked_new_group", "normalised_group"]
+__all__ = [
+    "check_membership",
+    "check_param_tensor",
+    "check_params_argument",
+    "checked_new_group",
+    "normalised_group",
+]
 
 _DUPLICATE = "some parameters appear in more than one parameter group"
 _REPEATED = (  # torch's own words (torch.optim.Optimizer.add_param_group)
     "optimizer contains a parameter group with duplicate parameters; in future, this will cause "
     "an error; see github.com/pytorch/pytorch/issues/40967 for more information"
 )
+
+
+def check_params_argument(params: object) -> None:
+    """torch's first rule: ``params`` is an iterable of tensors or dicts, never one tensor or
+    a set (whose order differs between runs)."""
+    if isinstance(params, (Tensor, set)):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or "
+            f"dicts, but got {torch.typename(params)}"
+        )
 
 
 def check_param_tensor(param: object) -> Tensor:

@@ -22,7 +22,7 @@ from gefen.core.checked import match_changed_entries, options_token, revalidate_
 from gefen.core.checkpoint import PreparedLoad, check_checkpoint_binding, prepare_load
 from gefen.core.finalization import PreparedFinalization, prepare_finalization
 from gefen.core.fused import KernelSelector
-from gefen.core.groups import checked_new_group
+from gefen.core.groups import check_params_argument, checked_new_group
 from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import group_uses_codebook
@@ -37,6 +37,7 @@ from gefen.core.validation import (
     amp_scaling_supported,
     check_finite_gradients,
     check_learnable_gradients,
+    iter_parameters,
     validate_gradient_structure,
 )
 from gefen.dist import (
@@ -80,11 +81,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     )
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        if isinstance(params, (Tensor, set)):
-            raise TypeError(
-                "params argument given to the optimizer should be an iterable of Tensors or "
-                f"dicts, but got {torch.typename(params)}"
-            )
+        check_params_argument(params)
         self._global_step = 0
         self._codebook: Tensor | None = None
         self._commit_failed = False
@@ -230,6 +227,10 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         """Which parameters have a gradient, in group order (the vote agrees on it)."""
         return [param.grad is not None for group in self.param_groups for param in group["params"]]
 
+    def gradient_labels(self) -> list[str]:
+        """Each parameter's label, in ``gradient_presence`` order (names a refused vote)."""
+        return [label for label, _ in iter_parameters(self.param_groups)]
+
     def _validate_changed_groups(self) -> None:
         """§2.2 at the edges: a group's options are re-validated only when one of them changed."""
         previous = self.__dict__.get("_validated_options", {})
@@ -290,8 +291,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         """``post_sharding``'s publication, assignment only: groups, placeholders, layout."""
         state: dict[Tensor, Any] = {}
         for group, (params, names) in zip(self.param_groups, groups, strict=True):
-            group["params"] = params
-            group["param_names"] = names
+            group["params"], group["param_names"] = params, names
             for param in params:
                 state[param] = {"period": 0}
         self.state.clear()

@@ -25,6 +25,7 @@ from gefen.dist import (
     DistributedStepError,
     GroupAgreementError,
     GuardedOperation,
+    differing_positions,
     prepare_synchronized_amp_step,
     presence_words,
 )
@@ -143,6 +144,7 @@ class StepParticipant(Protocol):
     def check_latch(self) -> None: ...
     def validate_step_inputs(self, *, amp_present: bool) -> None: ...
     def gradient_presence(self) -> list[bool]: ...
+    def gradient_labels(self) -> list[str]: ...
     def step_header_payload(self) -> Any: ...
     def exchange_step_headers(self, op: GuardedOperation, payload: Any) -> None: ...
     def check_step_agreement(self) -> None: ...
@@ -249,6 +251,21 @@ def _agreed_preflight(
     return outcome, (presence, options_word(optimizer.param_groups))
 
 
+def _presence_named(
+    optimizer: StepParticipant, op: GuardedOperation, refused: GroupAgreementError
+) -> GroupAgreementError:
+    """The vote's presence refusal with the parameters it concerns: every member got it, so
+    every member joins the collective that finds them."""
+    labels = optimizer.gradient_labels()
+    positions = differing_positions(op.scope, optimizer.gradient_presence())
+    names = [labels[index] if index < len(labels) else f"#{index}" for index in positions]
+    return GroupAgreementError(
+        f"{refused}; parameters with a gradient on some members only: {', '.join(names)}",
+        owner_name=refused.owner_name,
+        what=refused.what,
+    )
+
+
 def _run_post_hooks(
     optimizer: StepParticipant, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -313,11 +330,16 @@ def _transaction(
         # checks the presence pattern in its own all-reduce (docs/dist.md §5). The binding form
         # keeps its one-word vote, so every operation of a codebook scope starts with the same
         # all-reduce and a mismatched operation fails cleanly at the operation header.
-        loss, args, kwargs, payload = op.local_agreeing(
-            PHASE_STEP_PREFLIGHT,
-            STEP_AGREEMENT,
-            lambda: _agreed_preflight(optimizer, args, kwargs),
-        )
+        try:
+            loss, args, kwargs, payload = op.local_agreeing(
+                PHASE_STEP_PREFLIGHT,
+                STEP_AGREEMENT,
+                lambda: _agreed_preflight(optimizer, args, kwargs),
+            )
+        except GroupAgreementError as refused:
+            if refused.what != STEP_AGREEMENT[0]:
+                raise
+            raise _presence_named(optimizer, op, refused) from None
     else:
         loss, args, kwargs, payload = op.local(
             PHASE_STEP_PREFLIGHT, _local_preflight, optimizer, args, kwargs

@@ -27,6 +27,7 @@ __all__ = [
     "PHASE_STATE_DICT_PREFLIGHT",
     "PHASE_STEP_PREFLIGHT",
     "any_true_over",
+    "differing_positions",
     "presence_words",
     "synchronize_step_error",
     "vote_over",
@@ -95,6 +96,29 @@ def presence_words(present: Iterable[bool | None]) -> tuple[int, int]:
     flags = bytes(2 if flag is None else 1 if flag else 0 for flag in present)
     digest = int.from_bytes(hashlib.blake2b(flags, digest_size=7).digest(), "big")
     return digest, flags.count(1)
+
+
+@collective
+def differing_positions(scope: Sequence[Channel], present: Sequence[bool | None]) -> list[int]:
+    """The positions at which the members' presence patterns differ, on every member: what a
+    vote that found ``presence_words`` unequal reports by name. Two MAX all-reduces per
+    channel (the longest pattern's length, then each flag and its negation, padded past a
+    member's end with a value no flag takes), so members whose patterns differ in length also
+    agree on the answer. Call it on every member, as the vote itself."""
+    import torch.distributed as dist
+
+    def folded(values: list[int]) -> list[int]:
+        for channel in scope:
+            reduced = torch.tensor(values, dtype=torch.int64, device=channel.device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=channel.process_group)
+            values = reduced.tolist()
+        return values
+
+    width = folded([len(present)])[0]
+    flags = [2 if flag is None else int(flag) for flag in present]
+    flags += [3] * (width - len(flags))
+    both = folded([*flags, *(-flag for flag in flags)])
+    return [index for index in range(width) if both[index] != -both[width + index]]
 
 
 def _agreement(

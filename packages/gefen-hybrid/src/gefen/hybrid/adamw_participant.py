@@ -18,7 +18,11 @@ from typing import Any, Protocol
 
 import torch
 
-from gefen.core.extension import check_finite_gradients, validate_gradient_structure
+from gefen.core.extension import (
+    check_finite_gradients,
+    iter_parameters,
+    validate_gradient_structure,
+)
 from gefen.dist import GuardedOperation, ProcessGroupBinding
 from gefen.dist.torch_internals import unhooked_step
 from gefen.hybrid.adamw_backup import (
@@ -54,6 +58,7 @@ class ChildParticipant(Protocol):
     def binding(self) -> ProcessGroupBinding | None: ...
     def validate_step_inputs(self, *, amp_present: bool) -> None: ...
     def gradient_presence(self) -> list[bool]: ...
+    def gradient_labels(self) -> list[str]: ...
     def step_header_payload(self) -> list[int] | None: ...
     def check_step_agreement(self) -> None: ...
     def apply_prepared_step(self, *, operation: GuardedOperation | None = None) -> None: ...
@@ -83,6 +88,9 @@ class AdamWParticipant:
 
     def gradient_presence(self) -> list[bool]:
         return [p.grad is not None for group in self.backup.param_groups for p in group["params"]]
+
+    def gradient_labels(self) -> list[str]:
+        return [label for label, _ in iter_parameters(self.backup.param_groups)]
 
     def step_header_payload(self) -> None:
         return None

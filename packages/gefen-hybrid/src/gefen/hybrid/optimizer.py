@@ -392,6 +392,9 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         """Each child's presence pattern, Muon first (what the step vote agrees on)."""
         return [flag for _, child in self._participants for flag in child.gradient_presence()]
 
+    def gradient_labels(self) -> list[str]:
+        return [label for _, child in self._participants for label in child.gradient_labels()]
+
     def gefen_children(self) -> tuple[OptimizerShell, ...]:
         """The children that are Gefen optimizers (they carry a codebook binding)."""
         return tuple(child for child in self.children if isinstance(child, OptimizerShell))

@@ -57,7 +57,7 @@ from gefen.muon.options import (
     validate_muon_options,
 )
 from gefen.muon.plan import OwnerBucket, PlannedMatrix, group_hyper
-from gefen.muon.preflight import check_presence_and_order, uncovered_presence
+from gefen.muon.preflight import check_presence_and_order, uncovered_labels, uncovered_presence
 from gefen.muon.rows import approx_row_sharded, assembles_rows, presents_rows
 from gefen.muon.update import MuonHyper, apply_update_, orthogonal_update_
 
@@ -184,6 +184,9 @@ class GefenMuon(OptimizerShell):
 
     def gradient_presence(self) -> list[bool]:
         return uncovered_presence(self.param_groups)  # the rest is checked by name, below
+
+    def gradient_labels(self) -> list[str]:
+        return uncovered_labels(self.param_groups)
 
     # -- the state codec --------------------------------------------------------------------
 

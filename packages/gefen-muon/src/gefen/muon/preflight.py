@@ -13,15 +13,17 @@ from reduced data and sorted names, so every rank of a mesh raises the identical
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gefen.contracts import fingerprint
+from gefen.core.extension import parameter_label
 from gefen.dist import GroupAgreementError, choose_collective_device, collective, mesh_key
 from gefen.muon.modes import DISTRIBUTED, EXACT, parameter_mode
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
     from gefen.dist.scope import MeshKey
 
-__all__ = ["check_presence_and_order", "uncovered_presence"]
+__all__ = ["check_presence_and_order", "uncovered_labels", "uncovered_presence"]
 
 _COVERED_MODES = frozenset({"exact", "distributed"})
 _FIELDS_PER_ITEM = 6
@@ -296,9 +298,16 @@ def uncovered_presence(param_groups: Sequence[Mapping[str, Any]]) -> list[bool]:
     """Gradient presence of every parameter this check does not cover (plain tensors and
     approx DTensors), in group order: the step vote agrees on it (docs/dist.md §5), so a
     gradient missing on one rank fails every rank there too, in the vote's own all-reduce."""
-    flags: list[bool] = []
-    for group in param_groups:
-        for param in group["params"]:
+    return [param.grad is not None for _, param in _uncovered(param_groups)]
+
+
+def uncovered_labels(param_groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The labels of ``uncovered_presence``'s parameters, in its order (a refusal names them)."""
+    return [label for label, _ in _uncovered(param_groups)]
+
+
+def _uncovered(param_groups: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Tensor]]:
+    for group_index, group in enumerate(param_groups):
+        for position, param in enumerate(group["params"]):
             if parameter_mode(group, param) not in (EXACT, DISTRIBUTED):
-                flags.append(param.grad is not None)
-    return flags
+                yield parameter_label(group, group_index, position), param
