@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -25,13 +27,14 @@ def _registration(name: str, compile_fn, *, deterministic: bool = True) -> Fused
 
 def _run(**options) -> torch.Tensor:
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(16, 8))
-    q = torch.nn.Parameter(torch.randn(32))
+    f32 = torch.float32  # whatever the default dtype
+    p = torch.nn.Parameter(torch.randn(16, 8, dtype=f32))
+    q = torch.nn.Parameter(torch.randn(32, dtype=f32))
     optimizer = Gefen([p, q], **options)
     for seed in range(3):
         generator = torch.Generator().manual_seed(seed)
-        p.grad = torch.randn(16, 8, generator=generator)
-        q.grad = torch.randn(32, generator=generator)
+        p.grad = torch.randn(16, 8, generator=generator, dtype=f32)
+        q.grad = torch.randn(32, generator=generator, dtype=f32)
         optimizer.step()
     return torch.cat([p.detach().reshape(-1), q.detach()])
 
@@ -176,3 +179,36 @@ def test_fused_true_without_registration_fails_at_construction(monkeypatch) -> N
 def test_the_inductor_implementation_is_registered_for_cpu_and_cuda() -> None:
     names = {(impl.name, impl.device_type) for impl in fused_module._REGISTRY}
     assert {("inductor", "cpu"), ("inductor", "cuda")} <= names
+
+
+@pytest.mark.fused_default
+@pytest.mark.parametrize("name", ["native-cpu", "inductor"])
+def test_a_float64_default_dtype_keeps_each_fused_implementation(monkeypatch, name) -> None:
+    """The self-tests and warm-ups built their inputs with the default dtype: under
+    ``torch.set_default_dtype(torch.float64)`` every implementation failed them, so fused=None
+    fell back to the eager step with a warning (9x slower) and fused=True raised, although the
+    state itself is float32 and the kernels serve it."""
+    implementation = [i for i in fused_module._REGISTRY if (i.name, i.device_type) == (name, "cpu")]
+    monkeypatch.setattr(fused_module, "_REGISTRY", implementation)
+    reference = _run(fused=True)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            under_float64 = _run(fused=True)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(under_float64, reference)
+
+
+@pytest.mark.fused_default
+def test_a_float64_default_dtype_keeps_the_fused_momentum() -> None:
+    from gefen.core.fused import fused_momentum
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert fused_momentum("cpu") is not None  # raised: its self-test ran on float64 inputs
+    finally:
+        torch.set_default_dtype(previous)

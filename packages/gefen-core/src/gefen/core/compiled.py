@@ -99,6 +99,7 @@ def stream_tensor(seed: tuple[int, ...] | None, device: torch.device) -> Tensor:
     return SCALARS.get(signed, torch.int64, device)
 
 
+_F32 = torch.float32  # the state's dtype, explicit: a caller's set_default_dtype must not reach it
 _COMPILED: dict[tuple[str, str, tuple[Any, ...]], Callable[..., Any]] = {}
 
 GRAPHS_PER_VARIANT = 64
@@ -314,17 +315,17 @@ def _warm_up(updater: Updater, key: KernelKey) -> None:
     codebook = None
     if codec in ("codebook8", "codebook4"):
         size = PACKED_CODEBOOK_SIZE if codec == "codebook4" else 256
-        codebook = torch.linspace(-1.0, 1.0, size, device=device)
+        codebook = torch.linspace(-1.0, 1.0, size, dtype=_F32, device=device)
         width = code_bytes(cols, packed=codec == "codebook4")
         entry["momentum_codes"] = torch.zeros(rows, width, dtype=torch.uint8, device=device)
-        entry["momentum_scale"] = torch.zeros(rows, 1, device=device)
+        entry["momentum_scale"] = torch.zeros(rows, 1, dtype=_F32, device=device)
     else:
-        entry["momentum"] = torch.zeros(rows, cols, device=device)
+        entry["momentum"] = torch.zeros(rows, cols, dtype=_F32, device=device)
     if family == "factored":
-        entry["v_row"] = torch.zeros(rows, device=device)
-        entry["v_col"] = torch.zeros(cols, device=device)
+        entry["v_row"] = torch.zeros(rows, dtype=_F32, device=device)
+        entry["v_col"] = torch.zeros(cols, dtype=_F32, device=device)
     else:
-        entry["v_block"] = torch.zeros(rows, 1, device=device)
+        entry["v_block"] = torch.zeros(rows, 1, dtype=_F32, device=device)
     # the defaults' variant, so that a default run compiles nothing after this
     scalars = StepScalars(
         1e-3, (0.9, 0.999), 1e-8, 0.0, codebook, None, factored_floor=True, nesterov=True
@@ -353,8 +354,8 @@ def compiled_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdv
     device = torch.device(device_type)
     width = code_bytes(8, packed=codebook_size <= PACKED_CODEBOOK_SIZE)
     codes = torch.zeros(2, width, dtype=torch.uint8, device=device)
-    scale = torch.zeros(2, 1, device=device)
-    codebook = torch.linspace(-1.0, 1.0, codebook_size, device=device)
+    scale = torch.zeros(2, 1, dtype=_F32, device=device)
+    codebook = torch.linspace(-1.0, 1.0, codebook_size, dtype=_F32, device=device)
     with torch.no_grad():
-        advance(torch.ones(2, 8, device=device), codes, scale, codebook, 0.05, None)
+        advance(torch.ones(2, 8, dtype=_F32, device=device), codes, scale, codebook, 0.05, None)
     return advance

@@ -166,7 +166,7 @@ class CodebookTables:
         self._table_dtype = table_dtype
         self._codebook: Tensor | None = None
         self._codebook_version = -1
-        self._value: tuple[Tensor, int] = (torch.zeros(0), 1)
+        self._value: tuple[Tensor, int] = (torch.zeros(0, dtype=table_dtype), 1)
 
     def get(self, codebook: Tensor) -> tuple[Tensor, int]:
         if codebook is not self._codebook or tensor_version(codebook) != self._codebook_version:

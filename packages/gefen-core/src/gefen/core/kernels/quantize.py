@@ -102,7 +102,7 @@ def _count_below_bucketed(codebook: Tensor, values: Tensor) -> Tensor | None:
     window = int((first[3:] - first[:-3]).max())
     if window > _BUCKETED_MAX_WINDOW:
         return None
-    padding = torch.full((window + 1,), float("inf"), device=codebook.device)
+    padding = torch.full((window + 1,), float("inf"), dtype=codebook.dtype, device=codebook.device)
     padded = torch.cat([codebook, padding])
     buckets = ((values - lo) * (1.0 / width)).floor_().clamp_(0, _BUCKETS - 1).long()
     start = first[buckets]

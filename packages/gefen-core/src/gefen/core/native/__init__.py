@@ -68,6 +68,7 @@ _HEADERS = tuple(
     )
 )
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_F32 = torch.float32  # the state's dtype, explicit: a caller's set_default_dtype must not reach it
 _LOCK = threading.Lock()
 _LIBRARY: ctypes.CDLL | None = None
 
@@ -404,22 +405,22 @@ def _self_test(updater: NativeUpdater, key: tuple[str, torch.dtype, str, str]) -
     _, dtype, codec, family = key
     size = 16 if codec == "codebook4" else 256  # codebook4: two codes per byte
     generator = torch.Generator().manual_seed(0)
-    param = torch.randn(4, 8, generator=generator).to(dtype)
-    grad = torch.randn(4, 8, generator=generator).to(dtype)
+    param = torch.randn(4, 8, generator=generator, dtype=_F32).to(dtype)
+    grad = torch.randn(4, 8, generator=generator, dtype=_F32).to(dtype)
     entry: dict[str, Any] = {
         "period": 8,
         "step": 0,
         "v_step": 0,
         "momentum_codes": torch.zeros(4, 8 if size == 256 else 4, dtype=torch.uint8),
-        "momentum_scale": torch.zeros(4, 1),
+        "momentum_scale": torch.zeros(4, 1, dtype=_F32),
     }
     if family == "factored":
-        entry["v_row"], entry["v_col"] = torch.zeros(4), torch.zeros(8)
+        entry["v_row"], entry["v_col"] = torch.zeros(4, dtype=_F32), torch.zeros(8, dtype=_F32)
     else:
-        entry["v_block"] = torch.zeros(4, 1)
+        entry["v_block"] = torch.zeros(4, 1, dtype=_F32)
     expected_param = param.clone()
     expected = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
-    codebook = torch.linspace(-1.0, 1.0, size)
+    codebook = torch.linspace(-1.0, 1.0, size, dtype=_F32)
     scalars = StepScalars(
         1e-2, (0.9, 0.999), 1e-8, 0.1, codebook, None, factored_floor=True, nesterov=True
     )
@@ -477,11 +478,11 @@ def native_momentum(codebook_size: int = 256) -> NativeMomentum:
     codebook of ``codebook_size`` values (16: codebook4's two codes per byte)."""
     advance = NativeMomentum()
     generator = torch.Generator().manual_seed(0)
-    grad = torch.randn(4, 8, generator=generator)
+    grad = torch.randn(4, 8, generator=generator, dtype=_F32)
     width = 8 if codebook_size == 256 else 4
     codes = torch.randint(0, 256, (4, width), dtype=torch.uint8, generator=generator)
-    scale = torch.rand(4, 1, generator=generator)
-    codebook = torch.linspace(-1.0, 1.0, codebook_size)
+    scale = torch.rand(4, 1, generator=generator, dtype=_F32)
+    codebook = torch.linspace(-1.0, 1.0, codebook_size, dtype=_F32)
     expected_codes, expected_scale = codes.clone(), scale.clone()
     got = advance(grad, codes, scale, codebook, 0.05, (3, 1))
     want = eager_advance_momentum_(grad, expected_codes, expected_scale, codebook, 0.05, (3, 1))
