@@ -113,9 +113,12 @@ def test_empty_scope_header() -> None:
 )
 def test_header_mismatch_names_the_first_field(saved: object, field: str) -> None:
     with pytest.raises(
-        ValueError, match=f"^rank-local checkpoint topology differs: {re.escape(field)}$"
-    ):
+        ValueError, match=f"^rank-local checkpoint topology differs: {re.escape(field)} \\("
+    ) as refused:
         check_rank_local_header(saved, ())
+    # it said no more: not what rank-local state needs, nor why one DCP file cannot hold it
+    assert "each rank from its own file" in str(refused.value)
+    assert "one DCP file written by every rank" in str(refused.value)
 
 
 def _fake_channel(monkeypatch: pytest.MonkeyPatch) -> Channel:

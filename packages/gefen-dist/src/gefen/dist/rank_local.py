@@ -94,7 +94,12 @@ def check_rank_local_header(saved: object, scope: Sequence[Channel]) -> None:
     """
     field = _first_difference(saved, rank_local_header(scope))
     if field is not None:
-        raise ValueError(f"rank-local checkpoint topology differs: {field}")
+        raise ValueError(
+            f"rank-local checkpoint topology differs: {field} (rank-local state resumes only "
+            "on the ranks, world size and meshes that saved it, each rank from its own file; "
+            "one DCP file written by every rank keeps a single rank's copy of it, so save it "
+            "per rank with torch.save, or move it in memory with get_/set_optimizer_state_dict)"
+        )
 
 
 def _saved_rank(header: object) -> object:
