@@ -228,14 +228,14 @@ _BUILD = (
 )
 
 
-def _build_in(cache: Any) -> Any:
+def _build_in(cache: Any, **environ: str) -> Any:
     """``build_library()`` in a fresh process (a loaded library stays loaded in this one) with
     the kernel cache at ``cache``."""
     import os
     import subprocess
     import sys
 
-    environment = dict(os.environ, GEFEN_NATIVE_CACHE=str(cache))
+    environment = dict(os.environ, GEFEN_NATIVE_CACHE=str(cache), **environ)
     command = [sys.executable, "-c", _BUILD]
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
 
@@ -261,7 +261,10 @@ def test_a_cached_kernel_that_does_not_load_is_rebuilt(tmp_path) -> None:
 def test_an_unusable_cache_directory_gives_way_to_one_of_the_process(tmp_path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # the cache path runs through a file: nothing can be written there
-    done = _build_in(blocker / "cache")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = _build_in(blocker / "cache", TMPDIR=str(scratch))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "loaded"
     assert "native kernel cache unusable" in done.stderr
+    assert list(scratch.iterdir()) == []  # each process left its build folder behind

@@ -162,7 +162,10 @@ def build_library() -> ctypes.CDLL:
         except OSError as error:  # not writable, a file in its path, a bad file kept anyway
             scratch = pathlib.Path(tempfile.mkdtemp(prefix="gefen-native-"))
             logger.warning("native kernel cache unusable (%s): building into %s", error, scratch)
-            library = _load(scratch / name)
+            try:
+                library = _load(scratch / name)
+            finally:  # a loaded library stays mapped: nothing of the build need outlive it
+                shutil.rmtree(scratch, ignore_errors=True)
         function = library.gefen_update_codebook8
         function.restype = ctypes.c_int
         function.argtypes = [
