@@ -80,6 +80,18 @@ def test_the_list_is_exactly_the_declared_one() -> None:
     assert sorted(extension.__all__) == sorted(EXPECTED)
 
 
+def test_the_readme_table_lists_exactly_the_declared_names() -> None:
+    # The table had fallen behind: checkpoint_scope and installed_layouts were exported unlisted.
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).parents[1] / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    table = text[text.index("| group | names |") :].split("\n\n", 1)[0]
+    listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", row)}
+    assert listed == set(EXPECTED)
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_name_is_its_defining_modules_object_and_documented(name: str) -> None:
     value = getattr(extension, name)

@@ -212,3 +212,24 @@ def test_a_float64_default_dtype_keeps_the_fused_momentum() -> None:
         assert fused_momentum("cpu") is not None  # raised: its self-test ran on float64 inputs
     finally:
         torch.set_default_dtype(previous)
+
+
+def test_a_fused_momentum_that_fails_everywhere_says_why_each_kernel_did(monkeypatch) -> None:
+    # Only inductor's reason reached GefenMuon's error; the native kernel's went to an INFO log.
+    import gefen.core.compiled
+    import gefen.core.native
+    from gefen.core.fused import fused_momentum
+
+    def native(size: int) -> None:
+        raise OSError("no C compiler found")
+
+    def compiled(device_type: str, size: int) -> None:
+        raise ValueError("no C++ compiler either")
+
+    monkeypatch.setattr(gefen.core.native, "native_momentum", native)
+    monkeypatch.setattr(gefen.core.compiled, "compiled_momentum", compiled)
+    with pytest.raises(RuntimeError) as refused:
+        fused_momentum("cpu")
+    assert str(refused.value) == (
+        "native-cpu: no C compiler found; inductor: ValueError: no C++ compiler either"
+    )

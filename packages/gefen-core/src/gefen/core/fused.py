@@ -39,6 +39,7 @@ def fused_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdvanc
     values, proven on a tiny input first (so a build failure surfaces where the caller selects
     it); raises on failure. On the CPU the native kernel when it builds, else (and elsewhere)
     the compiled one."""
+    native_failure = None
     if device_type == "cpu":
         try:
             from gefen.core.native import native_momentum
@@ -46,9 +47,18 @@ def fused_momentum(device_type: str, codebook_size: int = 256) -> MomentumAdvanc
             return native_momentum(codebook_size)
         except Exception as error:
             logger.info("native momentum kernel unavailable, using inductor: %s", error)
+            native_failure = error
     from gefen.core.compiled import compiled_momentum
 
-    return compiled_momentum(device_type, codebook_size)
+    try:
+        return compiled_momentum(device_type, codebook_size)
+    except Exception as error:
+        if native_failure is None:
+            raise
+        # the caller's message must say why the native kernel went too, not only inductor
+        raise RuntimeError(
+            f"native-cpu: {native_failure}; inductor: {type(error).__name__}: {error}"
+        ) from error
 
 
 # -- the registry and the per-optimizer selection --------------------------------------------
