@@ -159,7 +159,7 @@ def test_channel_header_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     ]:
         saved = copy.deepcopy(header)
         saved["channels"][0][field] = value
-        with pytest.raises(ValueError, match=rf"differs: channels\[0\]\.{field}$"):
+        with pytest.raises(ValueError, match=rf"differs: channels\[0\]\.{field} \("):
             check_rank_local_header(saved, scope)
 
 

@@ -416,13 +416,13 @@ def _refuse_plain_dcp_round_trip(incoming: object, owner_name: str) -> None:
     """A plain ``state_dict()`` saved with ``dcp.save`` and loaded into another's template
     comes back with each entry twice: the template's tensors filled in place under the int id,
     and the file's Python ints (``step``, ``period``) under the id as a string, since DCP
-    cannot write a non-tensor value in place. Neither half is the checkpoint; name the route
-    that is (docs/core.md §8.7)."""
+    cannot write a non-tensor value in place. Where the two disagree neither is the
+    checkpoint; name the route that is (docs/core.md §8.7)."""
     state = incoming.get("state") if isinstance(incoming, Mapping) else None
     if not isinstance(state, Mapping):
         return
     for key in state:
-        if type(key) is int and str(key) in state:
+        if type(key) is int and _file_counts_differ(state[key], state.get(str(key))):
             raise ValueError(
                 f"{owner_name} checkpoint: 'state' holds entry {key} twice, as {key} and as "
                 f"'{key}': that is a plain state_dict() after torch.distributed.checkpoint "
@@ -431,6 +431,23 @@ def _refuse_plain_dcp_round_trip(incoming: object, owner_name: str) -> None:
                 "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict and "
                 "set_optimizer_state_dict, which carry them"
             )
+
+
+def _file_counts_differ(entry: object, beside: object) -> bool:
+    """Whether the values DCP wrote beside an entry (under its id as a string) differ from the
+    entry's own: a template that already held the file's counts (the same optimizer's dict,
+    refilled) loads as before, its string ids dropped as torch drops unknown keys."""
+    if not isinstance(beside, Mapping):
+        return False
+    if not isinstance(entry, Mapping):
+        return True
+    return any(
+        not isinstance(value, torch.Tensor) and entry.get(name, _ABSENT) != value
+        for name, value in beside.items()
+    )
+
+
+_ABSENT = object()
 
 
 LOAD_AGREEMENT = ("replicated state", "group options")

@@ -97,8 +97,9 @@ def check_rank_local_header(saved: object, scope: Sequence[Channel]) -> None:
         raise ValueError(
             f"rank-local checkpoint topology differs: {field} (rank-local state resumes only "
             "on the ranks, world size and meshes that saved it, each rank from its own file; "
-            "one DCP file written by every rank keeps a single rank's copy of it, so save it "
-            "per rank with torch.save, or move it in memory with get_/set_optimizer_state_dict)"
+            "one DCP file written by every rank keeps a single rank's copy of it, so save "
+            "state_dict() per rank, each to a file of its own, or move it in memory with "
+            "get_/set_optimizer_state_dict)"
         )
 
 
