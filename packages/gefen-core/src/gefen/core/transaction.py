@@ -441,13 +441,13 @@ def _file_counts_differ(entry: object, beside: object) -> bool:
         return False
     if not isinstance(entry, Mapping):
         return True
-    return any(
-        not isinstance(value, torch.Tensor) and entry.get(name, _ABSENT) != value
-        for name, value in beside.items()
-    )
-
-
-_ABSENT = object()
+    for name, value in beside.items():
+        held = entry.get(name)
+        if not isinstance(value, torch.Tensor) and (
+            isinstance(held, torch.Tensor) or name not in entry or held != value
+        ):
+            return True
+    return False
 
 
 LOAD_AGREEMENT = ("replicated state", "group options")
