@@ -26,6 +26,8 @@ GROUP_CASES = [
     ({"eps": 0.0}, ValueError, "Invalid epsilon value"),
     ({"eps": math.inf}, ValueError, "Invalid epsilon value"),
     ({"eps": 1e-38}, ValueError, "Invalid epsilon value: 1e-38"),
+    # eps·(1 − β1) overflowed the first step's 1/(eps·bc1) where a block's v is 0: NaN
+    ({"eps": 1e-30, "betas": (1 - 1e-9, 0.999)}, ValueError, "below 4e-39: the first step"),
     ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value"),
     ({"weight_decay": math.nan}, ValueError, "Invalid weight_decay value"),
     ({"factored_v_2d": 1}, TypeError, "factored_v_2d must be a bool"),
@@ -488,6 +490,32 @@ def test_a_torch_flag_set_in_a_group_is_refused_by_name_not_ignored(flag: str, r
     added = {"params": params[1:], flag: True}
     rejects(optimizer, lambda: optimizer.add_param_group(added), ValueError, message)
     assert len(optimizer.param_groups) == 1
+
+
+def test_a_betas_edit_that_overflows_the_first_step_is_refused(rejects: Any) -> None:
+    a, b = _params()
+    optimizer = Gefen([a, b], eps=1e-30)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    optimizer.step()
+    group = optimizer.param_groups[0]
+    group["betas"] = (1 - 1e-9, 0.999)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    restore = lambda: group.__setitem__("betas", (0.9, 0.999))  # noqa: E731
+    rejects(optimizer, optimizer.step, ValueError, "below 4e-39: the first step", restore=restore)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["native", "eager"])
+def test_the_smallest_eps_times_one_minus_beta1_keeps_an_all_zero_block_finite(
+    fused: bool,
+) -> None:
+    # betas[0] = 1 − 1e-9 with eps = 1e-30 was taken and wrote NaN into the all-zero row.
+    param = torch.nn.Parameter(torch.ones(2, 8))
+    optimizer = Gefen([param], lr=1e-3, betas=(1 - 1e-8, 0.999), eps=1e-30, fused=fused)
+    grad = torch.zeros(2, 8)
+    grad[0] = 1.0
+    param.grad = grad
+    optimizer.step()
+    assert bool(param.isfinite().all())
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["native", "eager"])

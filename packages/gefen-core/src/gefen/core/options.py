@@ -126,6 +126,9 @@ def check_flag(name: str, value: object) -> None:
 MIN_EPS = 1e-30
 """The smallest ``eps``: the step scales by ``1/((sqrt(v)/sqrt(bc2) + eps)·bc1)``, finite in
 float32 for any ``v >= 0`` and ``β1 < 1 - 1e-8``."""
+MIN_EPS_BC1 = 4e-39
+"""The smallest ``eps·(1 − β1)``: where a block's v is 0 the first step scales by
+``1/(eps·bc1)`` with ``bc1 = 1 − β1``, which overflows float32 (3.4e38) below about 2.9e-39."""
 
 
 def _check_positive_finite(name: str, label: str, value: object, *, allow_zero: bool) -> None:
@@ -226,6 +229,14 @@ def validate_gefen_options(options: Mapping[str, Any], *, constructor: bool = Fa
         raise ValueError(
             f"Invalid epsilon value: {options['eps']!r} (below {MIN_EPS:g}, 1/eps overflows "
             "float32 where a block's second moment is 0, and 0·inf is NaN)"
+        )
+    beta1 = real_value(options["betas"][0]) or 0.0
+    if (real_value(options["eps"]) or 0.0) * (1.0 - beta1) < MIN_EPS_BC1:
+        raise ValueError(
+            f"Invalid epsilon value: {options['eps']!r} with betas[0] {options['betas'][0]!r} "
+            f"(eps·(1 − betas[0]) below {MIN_EPS_BC1:g}: the first step scales a block whose "
+            "second moment is 0 by 1/(eps·(1 − betas[0])), which overflows float32, and 0·inf "
+            "is NaN)"
         )
     _check_positive_finite("weight_decay", "weight_decay", options["weight_decay"], allow_zero=True)
     for name in GEFEN_FLAGS:
