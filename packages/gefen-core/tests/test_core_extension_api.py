@@ -48,6 +48,7 @@ EXPECTED = {
     "eager_advance_momentum_": "gefen.core.updaters",
     "every_rank_has_rows": "gefen.core.resharding",
     "extras_field": "gefen.core.contract",
+    "first_logical_element": "gefen.core.resharding",
     "finalized_training": "gefen.core.contract",
     "flattened_dcp_hint": "gefen.core.template",
     "fused_momentum": "gefen.core.extension",

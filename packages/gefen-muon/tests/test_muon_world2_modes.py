@@ -175,6 +175,19 @@ def scenario_approx(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def scenario_approx_stochastic_draws(rank: int, world: int) -> dict[str, Any]:
+    """Stochastic rounding in approx mode: the two ranks' row halves get the same gradient."""
+    mesh = mt.shared_mesh(world)
+    half = mt.fulls([(8, 24)], 31)[0]
+    model = mt.sharded(mesh, [torch.cat([half, half])])
+    optimizer = mt.sharded_muon(model, sharded_mode="approx", stochastic_round=True)
+    gradient = mt.grads([(8, 24)], 33, 0)[0]
+    mt.assign_sharded(model, [torch.cat([gradient, gradient])])
+    optimizer.step()
+    (param,) = model.parameters()
+    return {"codes": optimizer.state[param]["momentum_codes"].tolist()}
+
+
 def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
     mesh = mt.mesh_1d(world)
     fulls = mt.fulls(SHAPES5, 9)
@@ -487,6 +500,7 @@ SCENARIOS = [
     ("dist_tuned4", mt.scenario_distributed_equals_exact, ("tuned4",)),
     ("fluctuating", scenario_fluctuating_active_set, ()),
     ("approx", scenario_approx, ()),
+    ("approx_stochastic", scenario_approx_stochastic_draws, ()),
     ("checkpoint", scenario_distributed_checkpoint, ()),
     ("rank_local", scenario_approx_rank_local_rejections, ()),
     ("binding", scenario_checkpoint_binding, ()),
@@ -575,6 +589,14 @@ def test_approx_with_an_empty_shard_is_finite_local_and_differs_from_exact(
     empty = world["approx"][1]
     assert empty["local_numel"][2] == 0
     assert empty["keys"][2] == ["period"]  # an empty shard gets no state
+
+
+def test_approx_shards_draw_by_their_place_in_the_whole_matrix(world: ScenarioWorld) -> None:
+    # Each shard drew by its local element index, so identical halves on the two ranks were
+    # rounded by the same draws: stochastic rounding was correlated across ranks.
+    first, second = (result["codes"] for result in world["approx_stochastic"])
+    assert len(first) == len(second) == 8
+    assert first != second
 
 
 @pytest.mark.smoke

@@ -16,7 +16,8 @@ built on the shell uses the same list. Names are grouped by what they are for:
   ``PendingEntry`` (an entry a post-vote collective assembles),
   ``torch_indices`` (torch's ``state_dict`` numbering of the parameters);
 * codebook learning: ``CodebookInput``, ``StagedLearning``, ``select_period``, ``row_period``;
-* FSDP2 resharding: ``row_sharded_mesh``, ``every_rank_has_rows``, ``local_rows``;
+* FSDP2 resharding: ``row_sharded_mesh``, ``every_rank_has_rows``, ``local_rows``,
+  ``first_logical_element``;
 * the fused momentum: ``MomentumAdvancer``, ``eager_advance_momentum_``, ``fused_momentum``,
   ``resolve_default``;
 * option and input checks: ``check_flag``, ``check_lr``, ``check_optimizer_wide``,
@@ -66,7 +67,12 @@ from gefen.core.options import (
     variant_prefix,
 )
 from gefen.core.participant import ShellInterface
-from gefen.core.resharding import every_rank_has_rows, local_rows, row_sharded_mesh
+from gefen.core.resharding import (
+    every_rank_has_rows,
+    first_logical_element,
+    local_rows,
+    row_sharded_mesh,
+)
 from gefen.core.saving import torch_indices
 from gefen.core.shell import OptimizerShell
 from gefen.core.state import CodecKeys, EntrySpec, allocate_entry, is_initialized
@@ -122,6 +128,7 @@ __all__ = [
     "every_rank_has_rows",
     "extras_field",
     "finalized_training",
+    "first_logical_element",
     "flattened_dcp_hint",
     "fused_momentum",
     "group_codecs",

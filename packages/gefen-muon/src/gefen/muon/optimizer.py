@@ -56,7 +56,7 @@ from gefen.muon.options import (
     normalise_schedule_steps,
     validate_muon_options,
 )
-from gefen.muon.plan import OwnerBucket, PlannedMatrix, group_hyper
+from gefen.muon.plan import OwnerBucket, PlannedMatrix, group_hyper, stochastic_seed
 from gefen.muon.preflight import check_presence_and_order, uncovered_labels, uncovered_presence
 from gefen.muon.rows import approx_row_sharded, assembles_rows, presents_rows
 from gefen.muon.update import MuonHyper, apply_update_, orthogonal_update_
@@ -65,11 +65,6 @@ __all__ = ["GefenMuon"]
 
 _MUON_CODEC_KEYS = CodecKeys(dense="momentum_buffer")
 _POST_SHARDING_LAYOUTS = (ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER)
-
-
-def _stochastic(group: Mapping[str, Any]) -> bool:
-    """The group rounds its codebook8 momentum stochastically (§6.3)."""
-    return group_uses_codebook(group) and bool(group["stochastic_round"])
 
 
 class GefenMuon(OptimizerShell):
@@ -294,7 +289,7 @@ class GefenMuon(OptimizerShell):
                 period=int(learning.periods.get(index, self.state[param].get("period", 0))),
                 hyper=hyper,
                 ratio=adjust_lr_ratio(group["adjust_lr_fn"], tuple(param.shape)),
-                seed=(self._global_step, index) if _stochastic(group) else None,
+                seed=stochastic_seed(self._global_step, index, group, param, mode),
             )
 
         # an empty matrix has nothing to update and stays pristine, as in Gefen (numel is global

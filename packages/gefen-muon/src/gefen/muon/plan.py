@@ -2,7 +2,8 @@
 
 One ``PlannedMatrix`` per parameter with a gradient (its mode, period, scalars, LR ratio and
 stochastic-rounding seed; never a tensor it does not read live), grouped into ``OwnerBucket``s
-for the distributed mode. ``group_hyper`` reads a group's scalars once per step.
+for the distributed mode. ``group_hyper`` reads a group's scalars once per step;
+``stochastic_seed`` gives a matrix its draws.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import Any
 
 from torch import Tensor
 
-from gefen.core.extension import lr_value
-from gefen.muon.modes import DistributedSlot
+from gefen.core.extension import first_logical_element, group_uses_codebook, lr_value
+from gefen.muon.modes import APPROX, DistributedSlot
 from gefen.muon.options import group_schedule
 from gefen.muon.update import MuonHyper
 
-__all__ = ["OwnerBucket", "PlannedMatrix", "group_hyper"]
+__all__ = ["OwnerBucket", "PlannedMatrix", "group_hyper", "stochastic_seed"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,15 @@ def group_hyper(group: Mapping[str, Any]) -> MuonHyper:
         normuon_eps=float(group["normuon_eps"]),
         lr_dtype=group["lr"].dtype if isinstance(group["lr"], Tensor) else None,
     )
+
+
+def stochastic_seed(
+    global_step: int, index: int, group: Mapping[str, Any], param: Tensor, mode: str
+) -> tuple[int, ...] | None:
+    """The seed of the group's stochastic rounding (docs/core.md §6.3), or None when it rounds
+    to nearest. An approx shard quantizes its own rows' momentum, so it draws by its elements'
+    place in the whole matrix, as one process draws for them (not by its local index, which
+    gave every rank the first rows' draws); the other modes quantize whole matrices."""
+    if not (group_uses_codebook(group) and bool(group["stochastic_round"])):
+        return None
+    return (global_step, index, first_logical_element(param) if mode == APPROX else 0)
