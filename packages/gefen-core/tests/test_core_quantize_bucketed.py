@@ -111,3 +111,53 @@ def test_the_bucket_table_resolves_most_values_and_defers_the_rest(
     assert 0 < deferred[0] < values.numel() // 10
     monkeypatch.setattr(quantize_module, "_nearest_reference", real)
     assert torch.equal(got, real(codebook, values))
+
+
+class _EvictingTogether(dict):  # type: ignore[type-arg]
+    """A full table cache whose iteration waits (up to 1 s) until two threads iterate it at
+    once: the interleaving in which both choose the same oldest key to evict."""
+
+    def __init__(self, entries: dict[object, object]) -> None:
+        super().__init__(entries)
+        import threading
+
+        self.together = threading.Barrier(2)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        import contextlib
+        import threading
+
+        keys = list(super().__iter__())
+        with contextlib.suppress(threading.BrokenBarrierError):  # serialized: nobody to meet
+            self.together.wait(timeout=1.0)
+        return iter(keys)
+
+
+def test_two_threads_filling_a_full_table_cache_both_get_their_table(monkeypatch) -> None:
+    # Optimizers stepping in two threads evicted the same oldest table; the second raised a
+    # KeyError inside the commit, which latched its optimizer.
+    import threading
+
+    full = {("cpu", bytes([index])): (0.0, 1.0, torch.zeros(1)) for index in range(4)}
+    cache = _EvictingTogether(full)
+    monkeypatch.setattr(quantize_module, "_TABLE_CACHE", cache)
+    codebooks = [_learned(seed, 40) for seed in (5, 6)]
+    values = torch.linspace(-1.0, 1.0, 8192)
+    outcomes: dict[int, object] = {}
+
+    def fill(index: int) -> None:
+        try:
+            outcomes[index] = torch.equal(
+                nearest_index(codebooks[index], values),
+                quantize_module._nearest_reference(codebooks[index], values),
+            )
+        except Exception as error:
+            outcomes[index] = error
+
+    threads = [threading.Thread(target=fill, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert outcomes == {0: True, 1: True}
+    assert len(cache) == 4

@@ -9,6 +9,8 @@ resumed run replays the same draws.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -145,6 +147,9 @@ def _nearest_reference(codebook: Tensor, values: Tensor) -> Tensor:
 _TABLE_BUCKETS = 1 << 16
 _TABLE_CACHE: dict[tuple[str, bytes], tuple[float, float, Tensor]] = {}
 _TABLE_CACHE_SIZE = 4
+# Optimizers stepping in several threads share the cache: two evicting at once both chose the
+# same oldest key, and the second pop raised inside a commit (which latched the optimizer).
+_TABLE_LOCK = threading.Lock()
 
 
 def _rounded(edges: Tensor, *, up: bool) -> Tensor:
@@ -160,7 +165,8 @@ def _nearest_table(codebook: Tensor) -> tuple[float, float, Tensor] | None:
     if not hi > lo:
         return None
     key = (str(codebook.device), codebook.detach().cpu().numpy().tobytes())
-    cached = _TABLE_CACHE.get(key)
+    with _TABLE_LOCK:
+        cached = _TABLE_CACHE.get(key)
     if cached is not None:
         return cached
     width = (hi - lo) / _TABLE_BUCKETS
@@ -173,10 +179,12 @@ def _nearest_table(codebook: Tensor) -> tuple[float, float, Tensor] | None:
     low[0] = 0
     high[-1] = codebook.numel() - 1
     table = torch.where(low == high, low, torch.full_like(low, -1))
-    if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
-        _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
-    _TABLE_CACHE[key] = (lo, 1.0 / width, table)
-    return _TABLE_CACHE[key]
+    built = (lo, 1.0 / width, table)
+    with _TABLE_LOCK:
+        while len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
+            del _TABLE_CACHE[next(iter(_TABLE_CACHE))]
+        _TABLE_CACHE[key] = built
+    return built
 
 
 def _nearest_tabled(codebook: Tensor, values: Tensor) -> Tensor | None:
