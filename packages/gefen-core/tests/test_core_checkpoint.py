@@ -42,6 +42,7 @@ def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:
     loaded = _roundtrip(sd)
     extras = sd["gefen"]
     assert set(extras) == {
+        "optimizer",
         "format_version",
         "global_step",
         "codebook",
@@ -50,6 +51,7 @@ def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:
         "initialized_params",
         "codebook_present",
     }
+    assert extras["optimizer"] == "Gefen"  # the writer, so that no other class loads it
     assert extras["format_version"] == 2
     assert extras["codebook_present"] == 1
     for group in sd["param_groups"]:

@@ -217,7 +217,8 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
     assert sd["param_groups"][1]["lr"] == 0.01
     extras = sd["gefen"]
     # One process: never a manifest, a rank-local header or a scope, whatever the mode.
-    assert set(extras) == {*BASE_EXTRAS, "codebook_present"}
+    assert set(extras) == {*BASE_EXTRAS, "codebook_present", "optimizer"}
+    assert extras["optimizer"] == "GefenMuon"
     assert extras["format_version"] == 2
     assert extras["global_step"] == 3
     assert extras["deterministic"] is False
@@ -1286,3 +1287,43 @@ def test_a_warm_restarts_live_step_edit_still_writes_a_checkpoint_that_loads() -
     fresh = GefenMuon([matrix], lr=0.01, normuon=True, fused=False)
     fresh.load_state_dict(optimizer.state_dict())
     assert fresh.state[matrix]["normuon_step"] == 4
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["unstepped", "stepped"])
+@pytest.mark.parametrize("direction", ["gefen_into_muon", "muon_into_gefen"])
+def test_a_checkpoint_of_the_other_class_is_refused_by_name(direction: str, stepped: bool) -> None:
+    # An unstepped Gefen file loaded into a GefenMuon (lr 3e-4, betas and the rest replacing
+    # Muon's, with a warning only); stepped ones were refused by accident ("unknown state key
+    # 'v_row'", "'matrix_cols' does not").
+    from gefen.core import Gefen
+
+    torch.manual_seed(0)
+    source_params = [torch.nn.Parameter(torch.randn(8, 16))]
+    target_params = [torch.nn.Parameter(torch.randn(8, 16))]
+    gefen = Gefen(source_params if direction == "gefen_into_muon" else target_params, lr=3e-4)
+    muon = GefenMuon(target_params if direction == "gefen_into_muon" else source_params, lr=0.02)
+    source, target = (gefen, muon) if direction == "gefen_into_muon" else (muon, gefen)
+    if stepped:
+        source_params[0].grad = torch.randn(8, 16)
+        source.step()
+    saved = source.state_dict()
+    before = deep_snapshot(target, attributes=SNAPSHOT_ATTRIBUTES)
+    owner = type(source).__name__
+    with pytest.raises(ValueError, match=f"this is a checkpoint of '{owner}'"):
+        target.load_state_dict(saved)
+    assert_unchanged(before, deep_snapshot(target, attributes=SNAPSHOT_ATTRIBUTES))
+    target_params[0].grad = torch.randn(8, 16)
+    target.step()
+    assert target.global_step == 1
+
+
+def test_a_checkpoint_without_the_writers_name_still_loads() -> None:
+    params = [torch.nn.Parameter(torch.randn(8, 16))]
+    optimizer = GefenMuon(params, lr=0.02)
+    params[0].grad = torch.randn(8, 16)
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())  # as an earlier build wrote it
+    for holder in (saved, *saved["param_groups"]):
+        del holder["gefen"]["optimizer"]
+    optimizer.load_state_dict(saved)
+    assert optimizer.global_step == 1

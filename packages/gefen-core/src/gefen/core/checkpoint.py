@@ -22,17 +22,14 @@ from gefen.core.deferred import assemble_pending
 from gefen.core.options import codebook_size, group_uses_codebook, owned_option
 from gefen.core.replicas import NO_REPLICA, load_replica_words
 from gefen.core.resharding import check_row_periods
-from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, scope_extras
+from gefen.core.saving import BASE_EXTRAS, EXTRAS_KEY, FORMAT_VERSION, OWNER_EXTRA, scope_extras
 from gefen.core.scoped import load_header_payload
 from gefen.core.state import is_initialized, validate_codebook
 from gefen.core.template import TEMPLATE_FORMAT, absorb_extras, absorb_state, flattened_dcp_hint
 from gefen.core.transaction import copy_containers
 from gefen.core.validation import is_dtensor, local_tensor, parameter_label
 from gefen.dist import (
-    BindingError,
-    CheckpointProcessGroupBinding,
     GuardedOperation,
-    ProcessGroupBinding,
     check_rank_local_header,
     check_rank_local_records,
 )
@@ -42,34 +39,11 @@ from gefen.dist.torch_internals import copy_with_load_pre_hooks, run_load_post_h
 if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
 
-__all__ = ["PreparedLoad", "check_checkpoint_binding", "prepare_load"]
+__all__ = ["PreparedLoad", "prepare_load"]
 
 # Group options the live optimizer always keeps, whatever the checkpoint says (§8.3).
 LIVE_OPTIONS = ("fused", "check_finite", "codebook_refresh_every", "stochastic_round")
 FIXED_OPTIONS = ("momentum_codec", "deterministic")  # a saved group must match the live one
-
-
-def check_checkpoint_binding(
-    checkpoint_binding: object, installed: ProcessGroupBinding | None
-) -> None:
-    """A ``checkpoint_binding`` (None: no check) matches the installed one (docs/dist.md §7)."""
-    if checkpoint_binding is None:
-        return
-    if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
-        kind = type(checkpoint_binding).__name__
-        raise TypeError(f"checkpoint_binding must be a CheckpointProcessGroupBinding, got {kind}")
-    if installed is None:
-        raise BindingError("no codebook binding is installed")
-    if (
-        checkpoint_binding.process_group is not installed.process_group
-        or checkpoint_binding.identity != installed.identity
-        or checkpoint_binding.local_member != installed.local_member
-        or checkpoint_binding.collective_device != installed.collective_device
-    ):
-        raise BindingError(
-            "checkpoint_binding does not match the installed codebook binding (same "
-            "identity, member, device and process-group handle object required)"
-        )
 
 
 # -- load ---------------------------------------------------------------------------------------
@@ -227,7 +201,7 @@ class _Loader:
         return {key: value for key, value in first.items() if key in copy or key not in optional}
 
     def check_extras(self, extras: dict[str, Any]) -> None:
-        allowed = set(BASE_EXTRAS) | set(self.optimizer.OPTIONAL_EXTRAS)
+        allowed = {*BASE_EXTRAS, *self.optimizer.OPTIONAL_EXTRAS, OWNER_EXTRA}
         for key in extras:
             if key not in allowed:
                 raise self.reject(f"unknown extras key {key!r}")
@@ -254,6 +228,15 @@ class _Loader:
             raise self.reject("initialized_params must be a list of ints")
 
     def check_header(self, extras: dict[str, Any]) -> None:
+        owner, live_owner = (
+            extras.get(OWNER_EXTRA, self.optimizer.OWNER_NAME),
+            self.optimizer.OWNER_NAME,
+        )
+        if owner != live_owner:  # the structure alone tells the classes apart only once stepped
+            raise self.reject(
+                f"this is a checkpoint of {owner!r} (extras {OWNER_EXTRA!r}), not of a "
+                f"{live_owner}: load it into the optimizer that wrote it"
+            )
         version, formats = extras.get("format_version"), [FORMAT_VERSION]
         if self.optimizer.TEMPLATE_COMPLETE:  # it writes format 2 and still reads format 1
             formats.append(TEMPLATE_FORMAT)

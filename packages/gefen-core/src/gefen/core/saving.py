@@ -34,6 +34,7 @@ __all__ = [
     "BASE_EXTRAS",
     "EXTRAS_KEY",
     "FORMAT_VERSION",
+    "OWNER_EXTRA",
     "build_state_dict",
     "live_extras",
     "saved_codebooks",
@@ -43,6 +44,9 @@ __all__ = [
 
 EXTRAS_KEY = "gefen"
 FORMAT_VERSION = 1
+OWNER_EXTRA = "optimizer"
+"""The extras key naming the class that wrote the checkpoint (``OWNER_NAME``); a file of an
+earlier build lacks it."""
 BASE_EXTRAS = (
     "format_version",
     "global_step",
@@ -62,6 +66,7 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
         if is_initialized(optimizer.state.get(param, {}))
     ]
     extras: dict[str, Any] = {
+        OWNER_EXTRA: optimizer.OWNER_NAME,
         "format_version": FORMAT_VERSION,
         "global_step": optimizer.global_step,
         "codebook": None if codebook is None else codebook.detach().clone(),

@@ -23,7 +23,10 @@ from gefen.dist import (
     PHASE_CODEBOOK_SOLVE,
     PHASE_LOCAL_HISTOGRAM_PREPARATION,
     PHASE_MOMENTUM_REQUANTIZATION_STAGING,
+    BindingError,
+    CheckpointProcessGroupBinding,
     GuardedOperation,
+    ProcessGroupBinding,
     presence_words,
 )
 from gefen.dist.codebook_scope import (
@@ -38,7 +41,13 @@ if TYPE_CHECKING:
     from gefen.core.participant import ShellInterface
     from gefen.core.sharded_layout import Finalized
 
-__all__ = ["load_header_payload", "scope_header_payload", "scoped_learn", "scoped_refresh_table"]
+__all__ = [
+    "check_checkpoint_binding",
+    "load_header_payload",
+    "scope_header_payload",
+    "scoped_learn",
+    "scoped_refresh_table",
+]
 
 _Local = tuple[list[int], Tensor, dict[int, int]]
 
@@ -206,3 +215,26 @@ def _header_words(
             options=options,
         )
     )
+
+
+def check_checkpoint_binding(
+    checkpoint_binding: object, installed: ProcessGroupBinding | None
+) -> None:
+    """A ``checkpoint_binding`` (None: no check) matches the installed one (docs/dist.md §7)."""
+    if checkpoint_binding is None:
+        return
+    if not isinstance(checkpoint_binding, CheckpointProcessGroupBinding):
+        kind = type(checkpoint_binding).__name__
+        raise TypeError(f"checkpoint_binding must be a CheckpointProcessGroupBinding, got {kind}")
+    if installed is None:
+        raise BindingError("no codebook binding is installed")
+    if (
+        checkpoint_binding.process_group is not installed.process_group
+        or checkpoint_binding.identity != installed.identity
+        or checkpoint_binding.local_member != installed.local_member
+        or checkpoint_binding.collective_device != installed.collective_device
+    ):
+        raise BindingError(
+            "checkpoint_binding does not match the installed codebook binding (same "
+            "identity, member, device and process-group handle object required)"
+        )

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from gefen.contracts import ParameterLayout, ShardingManifest
 from gefen.core import codebook_ops
 from gefen.core.checked import match_changed_entries, options_token, revalidate_changed_groups
-from gefen.core.checkpoint import PreparedLoad, check_checkpoint_binding, prepare_load
+from gefen.core.checkpoint import PreparedLoad, prepare_load
 from gefen.core.finalization import PreparedFinalization, prepare_finalization
 from gefen.core.fused import KernelSelector
 from gefen.core.groups import check_params_argument, checked_new_group
@@ -27,7 +27,7 @@ from gefen.core.kernels import select_period
 from gefen.core.learning import CodebookInput, StagedLearning
 from gefen.core.options import group_uses_codebook
 from gefen.core.saving import build_state_dict, saved_codebooks
-from gefen.core.scoped import scope_header_payload
+from gefen.core.scoped import check_checkpoint_binding, scope_header_payload
 from gefen.core.sharded_layout import Finalized, ParameterRebinding
 from gefen.core.state import CodecKeys, EntrySpec, entries_nbytes
 from gefen.core.steady import SteadyToken, plain_parameters, same_token, step_token
