@@ -731,3 +731,35 @@ def test_the_last_global_step_a_checkpoint_can_hold_is_not_stepped_past(rejects)
         "Gefen: global_step is 2**63 - 1, the last a checkpoint can hold",
         restore=lambda: optimizer.load_state_dict(earlier),
     )
+
+
+@pytest.mark.parametrize("codec", ["codebook8", "none"])
+def test_a_load_frees_the_state_it_replaces_before_the_next_step(codec: str) -> None:
+    # The steady step's caches (the plan, the idle learning, the entry signatures) held every
+    # replaced entry until the next successful step: two copies of the state (+4 B/param with
+    # "none") through the forward and backward after a rollback, for good if no step followed.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64))]
+    optimizer = Gefen(params, lr=1e-3, momentum_codec=codec)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    replaced = [
+        weakref.ref(value)
+        for entry in optimizer.state.values()
+        for value in entry.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    optimizer.load_state_dict(saved)
+    del saved
+    gc.collect()
+    assert [ref for ref in replaced if ref() is not None] == []
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert optimizer.global_step == 4

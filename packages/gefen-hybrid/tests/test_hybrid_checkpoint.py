@@ -1017,3 +1017,30 @@ def test_a_checkpoint_naming_two_parameters_alike_is_refused(backend: str, acros
         hybrid.load_state_dict(saved)
     _assert_unchanged(before, hybrid)
     _trains(hybrid)
+
+
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_a_load_frees_both_childrens_replaced_state_before_the_next_step(backup: str) -> None:
+    # Each Gefen child's steady-step caches held its replaced entries until the next step.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32))
+    hybrid = GefenMuonHybrid(model, backup_optimizer=backup, lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(4, 32)).square().mean().backward()
+        hybrid.step()
+        hybrid.zero_grad()
+    saved = copy.deepcopy(hybrid.state_dict())
+    replaced = [
+        weakref.ref(value)
+        for child in hybrid.children
+        for entry in child.state.values()
+        for value in entry.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    hybrid.load_state_dict(saved)
+    del saved
+    gc.collect()
+    assert [ref for ref in replaced if ref() is not None] == []

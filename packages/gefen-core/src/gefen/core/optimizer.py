@@ -297,13 +297,13 @@ class Gefen(OptimizerShell):
         learned, they are reused (the same parameters, entries and kernels; gefen.core.steady);
         the scalars follow the options every step (an LR schedule changes them)."""
         steady = self.__dict__.get("_steady")
-        cached: tuple[Any, list[_PlannedUpdate]] = self.__dict__.get("_plan") or (None, [])
-        if steady is not None and cached[0] is steady and not learning.periods:
-            return _StepPlan(cached[1], self._step_scalars(cached[1], learning))
+        cached: list[_PlannedUpdate] | None = None if steady is None else steady[2].get("plan")
+        if cached is not None and not learning.periods:
+            return _StepPlan(cached, self._step_scalars(cached, learning))
         updates = self._planned_updates(learning)
         # Seeds move with the global step: a stochastic plan is rebuilt every step.
-        stochastic = any(update.seed is not None for update in updates)
-        self._plan = None if stochastic or steady is None else (steady, updates)
+        if steady is not None and not any(update.seed is not None for update in updates):
+            steady[2]["plan"] = updates
         return _StepPlan(updates, self._step_scalars(updates, learning))
 
     def _planned_updates(self, learning: StagedLearning) -> list[_PlannedUpdate]:

@@ -347,15 +347,16 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     def _stage_step_learning(self, op: GuardedOperation) -> StagedLearning:
         """§5.5–§5.6 learning; skipped while token and codebook are an idle step's, none due."""
         steady, codebook = self.__dict__.get("_steady"), self._codebook
-        idle = self.__dict__.get("_learning_idle") or (None, None)
         due = codebook_ops.refresh_due(self)
-        if steady is not None and idle[0] is steady and idle[1] is codebook and not due:
+        if steady is not None and steady[2].get("idle", op) is codebook and not due:
             return StagedLearning()
         learning = codebook_ops.stage_step_learning(self, op)
         nothing = not (learning.noop or learning.periods or learning.codebook is not None)
         # never idle while a codebook is to be learned: zero gradients may turn non-zero
-        idle_now = nothing and (codebook is not None or not self.uses_codebook)
-        self._learning_idle = (steady, codebook) if idle_now and steady is not None else None
+        if steady is not None and nothing and (codebook is not None or not self.uses_codebook):
+            steady[2]["idle"] = codebook
+        elif steady is not None:
+            steady[2].pop("idle", None)
         return learning
 
     def _commit(self, learning: StagedLearning, plan: Any) -> None:
@@ -466,13 +467,11 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         global_step: int,
         codebook: Tensor | None,
     ) -> None:
-        """The load transaction's publication (assignment only); clears the latch."""
-        self.state = state
-        self.param_groups = param_groups
-        self._global_step = global_step
-        self._codebook = codebook
-        self._commit_failed = False
-        self._steady = None
+        """The load transaction's publication (assignment only); clears the latch. What was
+        derived from the replaced entries goes with them (the token's plan, the signatures)."""
+        self.state, self.param_groups = state, param_groups
+        self._global_step, self._codebook = global_step, codebook
+        self._commit_failed, self._steady, self._matched_entries = False, None, {}
 
     def _check_checkpoint_binding(self, checkpoint_binding: object) -> None:
         """Gefen: it must match the installed codebook binding; GefenMuon overrides."""

@@ -30,8 +30,11 @@ __all__ = ["SteadyToken", "plain_parameters", "same_token", "step_token"]
 
 _PLAIN = (Tensor, Parameter)
 
-SteadyToken = tuple[tuple[Any, ...], list[Any]]
-"""(the compared key, the objects whose identities it uses, kept alive so no id is reused)."""
+SteadyToken = tuple[tuple[Any, ...], list[Any], dict[str, Any]]
+"""(the compared key, the objects whose identities it uses, kept alive so no id is reused, and
+what was computed under it: the optimizer's plan, the idle learning's codebook). The derived
+values live and die with the token, so a load or a layout change that drops it frees them too
+(kept on the optimizer, a plan held the state a load had replaced until the next step)."""
 
 
 def step_token(
@@ -98,7 +101,7 @@ def step_token(
             stepped.append(entry)
     if not counters_fit(*stepped):
         return None  # an edited counter: the full checks refuse it by name
-    return tuple(key), held
+    return tuple(key), held, {}
 
 
 def same_token(a: SteadyToken | None, b: SteadyToken | None) -> bool:
