@@ -108,3 +108,32 @@ def test_a_callers_fail_on_recompile_stance_does_not_fail_the_commit() -> None:
         optimizer.step()
     assert optimizer.global_step == 2
     assert all(not torch.equal(b, p) for b, p in zip(before, (first, second), strict=True))
+
+
+def test_a_kernel_past_its_own_graph_limit_runs_uncompiled_instead_of_failing_the_commit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reaching ``GRAPHS_PER_VARIANT`` graphs of one variant raised ``FailOnRecompileLimitHit``
+    inside the commit (the step half-written, the optimizer latched); Dynamo refuses before
+    running anything, so the call now runs the kernel uncompiled, with one warning."""
+    import gefen.core.compiled as compiled
+
+    monkeypatch.setattr(compiled, "GRAPHS_PER_VARIANT", 1)
+    monkeypatch.setattr(compiled, "_COMPILED", {})  # variants compiled anew, under the limit
+    monkeypatch.setattr(compiled, "_PAST_THE_LIMIT", set())
+    params = _model()
+    optimizer = Gefen(params, lr=1e-2, momentum_codec="none", fused=True)
+    _grads(params, 0)
+    with pytest.warns(RuntimeWarning, match="graph limit; parameters of further shape classes"):
+        optimizer.step()
+    _grads(params, 1)
+    optimizer.step()
+    assert optimizer.global_step == 2
+    assert not optimizer.latched
+    reference = _model()
+    eager = Gefen(reference, lr=1e-2, momentum_codec="none", fused=False)
+    for seed in range(2):
+        _grads(reference, seed)
+        eager.step()
+    for fused, plain in zip(params, reference, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)

@@ -14,6 +14,7 @@ import math
 import struct
 import threading
 import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,11 @@ from gefen.core.updaters import (
     hyper_values,
     stream_value,
 )
-from gefen.dist.torch_internals import dynamo_stance, dynamo_unique_graphs
+from gefen.dist.torch_internals import (
+    dynamo_stance,
+    dynamo_unique_graphs,
+    recompile_limit_error,
+)
 
 __all__ = [
     "DeviceScalars",
@@ -130,23 +135,43 @@ def _compiled(function: Callable[..., Any], device_type: str, variant: tuple[Any
         compiled = torch.compile(  # type: ignore[call-overload]  # the overloads lack the limit
             clone, fullgraph=True, dynamic=True, recompile_limit=GRAPHS_PER_VARIANT
         )
-        found = _COMPILED[key] = _in_the_default_stance(compiled)
+        found = _COMPILED[key] = _in_the_default_stance(compiled, function)
     return found
 
 
-def _in_the_default_stance(compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _in_the_default_stance(
+    compiled: Callable[..., Any], eager: Callable[..., Any]
+) -> Callable[..., Any]:
     """``compiled`` run in Dynamo's default stance: a new shape class compiles its graph on
     first use, inside a commit, where a caller's ``set_stance("fail_on_recompile")`` (a promise
-    about their own code) would fail the step part-way and latch it."""
+    about their own code) would fail the step part-way and latch it. Past its
+    ``GRAPHS_PER_VARIANT`` graphs a call runs ``eager``, the same function uncompiled (Dynamo
+    refuses before running anything): the limit raised inside the commit and latched it."""
 
     @functools.wraps(compiled)
     def call(*args: Any) -> Any:
-        if dynamo_stance() == "default":  # the common case: entering the stance costs ~70 µs
-            return compiled(*args)
-        with torch.compiler.set_stance("default"):
-            return compiled(*args)
+        try:
+            if dynamo_stance() == "default":  # the common case: entering the stance costs ~70 µs
+                return compiled(*args)
+            with torch.compiler.set_stance("default"):
+                return compiled(*args)
+        except Exception as error:
+            if not isinstance(error, recompile_limit_error()):
+                raise
+        if eager not in _PAST_THE_LIMIT:
+            _PAST_THE_LIMIT.add(eager)
+            warnings.warn(
+                f"Gefen: the compiled kernel {eager.__name__} reached its {GRAPHS_PER_VARIANT}"
+                "-graph limit; parameters of further shape classes run it uncompiled",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return eager(*args)
 
     return call
+
+
+_PAST_THE_LIMIT: set[Callable[..., Any]] = set()  # the kernels warned about (once each)
 
 
 def compiled_graph_count() -> int:

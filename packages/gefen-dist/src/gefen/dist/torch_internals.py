@@ -31,6 +31,7 @@ __all__ = [
     "fresh_hook_registries",
     "instance_hooks",
     "lazily_disable_dynamo",
+    "recompile_limit_error",
     "run_load_post_hooks",
     "set_grad_enabled",
     "state_dict_with_hooks",
@@ -187,6 +188,14 @@ def dynamo_unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def recompile_limit_error() -> type[Exception]:
+    """What a ``fullgraph`` compiled function raises, before running anything, once a call
+    would take it past its recompile limit."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    return FailOnRecompileLimitHit
 
 
 set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
