@@ -242,3 +242,14 @@ def test_sum_int64_refuses_what_int64_would_change() -> None:
     for bad in ([1.7, -2.9], [float("nan")], [float("inf")], [1e30]):
         with pytest.raises(ValueError, match="sum_int64 sums integers"):
             operation.sum_int64(torch.tensor(bad))
+
+
+def test_sum_int64_refuses_a_uint64_count_past_int64() -> None:
+    # 2**63 + 5 as uint64 became -9223372036854775803, summed silently.
+    from gefen.dist import GuardedOperation
+
+    operation = GuardedOperation("Toy", binding_getter=lambda: None)
+    fits = torch.tensor([2**63 - 1, 3], dtype=torch.uint64)
+    assert operation.sum_int64(fits).tolist() == [2**63 - 1, 3]
+    with pytest.raises(ValueError, match="sum_int64 sums integers"):
+        operation.sum_int64(torch.tensor([2**63 + 5, 3], dtype=torch.uint64))

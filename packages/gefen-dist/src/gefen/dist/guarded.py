@@ -85,6 +85,10 @@ def _exact_int64(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         fits = (held >= -(2.0**63)) & (held < 2.0**63) & (held == held.round())
         if not bool(fits.all()):
             return torch.zeros(values.shape, dtype=torch.int64, device=values.device), True
+    elif values.dtype == torch.uint64 and bool((values.view(torch.int64) < 0).any()):
+        # 2**63 and above: the conversion wrapped them to negative counts (torch compares no
+        # uint64, so the same bits read as int64 tell them)
+        return torch.zeros(values.shape, dtype=torch.int64, device=values.device), True
     return values.to(dtype=torch.int64, copy=True), False
 
 
