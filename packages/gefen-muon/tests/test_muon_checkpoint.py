@@ -1327,3 +1327,20 @@ def test_a_checkpoint_without_the_writers_name_still_loads() -> None:
         del holder["gefen"]["optimizer"]
     optimizer.load_state_dict(saved)
     assert optimizer.global_step == 1
+
+
+def test_a_subclass_with_its_own_owner_name_reads_and_writes_its_bases_files() -> None:
+    # The writer's name was OWNER_NAME at first: a subclass naming its messages refused its
+    # base class's files, and the base refused the subclass's.
+    class MyMuon(GefenMuon):
+        OWNER_NAME = "MyMuon"
+
+    params = [torch.nn.Parameter(torch.randn(8, 16))]
+    base = GefenMuon(params, lr=0.02)
+    params[0].grad = torch.randn(8, 16)
+    base.step()
+    mine = MyMuon([torch.nn.Parameter(params[0].detach().clone())], lr=0.02)
+    mine.load_state_dict(base.state_dict())
+    assert mine.global_step == 1
+    base.load_state_dict(mine.state_dict())
+    assert base.global_step == 1

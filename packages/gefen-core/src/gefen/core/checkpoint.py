@@ -228,10 +228,8 @@ class _Loader:
             raise self.reject("initialized_params must be a list of ints")
 
     def check_header(self, extras: dict[str, Any]) -> None:
-        owner, live_owner = (
-            extras.get(OWNER_EXTRA, self.optimizer.OWNER_NAME),
-            self.optimizer.OWNER_NAME,
-        )
+        live_owner = self.optimizer.CHECKPOINT_OWNER  # a subclass's is its base's
+        owner = extras.get(OWNER_EXTRA, live_owner)
         if owner != live_owner:  # the structure alone tells the classes apart only once stepped
             raise self.reject(
                 f"this is a checkpoint of {owner!r} (extras {OWNER_EXTRA!r}), not of a "

@@ -132,6 +132,7 @@ class Gefen(OptimizerShell):
     """
 
     OWNER_NAME: ClassVar[str] = "Gefen"
+    CHECKPOINT_OWNER: ClassVar[str] = "Gefen"  # a subclass keeps it: it reads Gefen's files
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = GEFEN_OPTIMIZER_WIDE
     CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
     TEMPLATE_COMPLETE: ClassVar[bool] = True

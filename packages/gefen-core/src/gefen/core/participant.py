@@ -29,6 +29,7 @@ class ShellInterface(Protocol):
     """What ``OptimizerShell`` (``Gefen``, ``GefenMuon``) offers its transactions."""
 
     OWNER_NAME: ClassVar[str]
+    CHECKPOINT_OWNER: ClassVar[str]
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]]
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]]
     TOP_LEVEL_EXTRAS: ClassVar[tuple[str, ...]]

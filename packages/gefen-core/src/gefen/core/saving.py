@@ -45,8 +45,8 @@ __all__ = [
 EXTRAS_KEY = "gefen"
 FORMAT_VERSION = 1
 OWNER_EXTRA = "optimizer"
-"""The extras key naming the class that wrote the checkpoint (``OWNER_NAME``); a file of an
-earlier build lacks it."""
+"""The extras key naming the algorithm that wrote the checkpoint (``CHECKPOINT_OWNER``: Gefen's
+or GefenMuon's, which a subclass inherits); a file of an earlier build lacks it."""
 BASE_EXTRAS = (
     "format_version",
     "global_step",
@@ -66,7 +66,7 @@ def live_extras(optimizer: ShellInterface) -> dict[str, Any]:
         if is_initialized(optimizer.state.get(param, {}))
     ]
     extras: dict[str, Any] = {
-        OWNER_EXTRA: optimizer.OWNER_NAME,
+        OWNER_EXTRA: optimizer.CHECKPOINT_OWNER,
         "format_version": FORMAT_VERSION,
         "global_step": optimizer.global_step,
         "codebook": None if codebook is None else codebook.detach().clone(),

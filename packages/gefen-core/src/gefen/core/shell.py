@@ -60,6 +60,7 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
     """The ``torch.optim.Optimizer`` base class of the Gefen optimizers (docs/core.md §1.1)."""
 
     OWNER_NAME: ClassVar[str] = "OptimizerShell"
+    CHECKPOINT_OWNER: ClassVar[str] = "OptimizerShell"  # the writer its files name (§8.1)
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = ()
     CODEC_KEYS: ClassVar[CodecKeys] = CodecKeys()
     OPTIONAL_EXTRAS: ClassVar[tuple[str, ...]] = ("scope", "rank_local")

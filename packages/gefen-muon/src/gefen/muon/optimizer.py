@@ -92,6 +92,7 @@ class GefenMuon(OptimizerShell):
     """
 
     OWNER_NAME: ClassVar[str] = "GefenMuon"
+    CHECKPOINT_OWNER: ClassVar[str] = "GefenMuon"  # a subclass keeps it (see Gefen's)
     OPTIMIZER_WIDE: ClassVar[tuple[str, ...]] = MUON_OPTIMIZER_WIDE
     CODEC_KEYS: ClassVar[CodecKeys] = _MUON_CODEC_KEYS
     TEMPLATE_COMPLETE: ClassVar[bool] = True
