@@ -122,6 +122,28 @@ def scenario_one_rank_missing_gradient(rank: int, world_size: int) -> dict[str, 
     return {"elapsed": elapsed, "error": error, "changes": changes, "same": same}
 
 
+def scenario_one_rank_extra_parameter(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 registered one more parameter: the presence patterns differ in length."""
+    from gefen.core import Gefen
+
+    model = _sharded_model()
+    optimizer = Gefen(model.named_parameters(), lr=0.01)
+    _train(model, optimizer, rank, range(1))
+    extra = torch.nn.Parameter(torch.ones(4))
+    if rank == 1:
+        optimizer.add_param_group({"params": [extra], "param_names": ["extra.bias"]})
+    optimizer.zero_grad()
+    model(_batch(rank, 7)).square().mean().backward()
+    extra.grad = torch.ones(4)
+    before = _snapshot(optimizer)
+    elapsed, error, _ = timed(optimizer.step)
+    changes = _changes(optimizer, before)
+    if rank == 1:
+        optimizer.param_groups.pop()
+    optimizer.step()  # together again
+    return {"elapsed": elapsed, "error": error, "changes": changes}
+
+
 def scenario_one_rank_edited_option(rank: int, world_size: int, option: str) -> dict[str, Any]:
     from gefen.core import Gefen
 
@@ -319,6 +341,7 @@ SCENARIOS = [
     ("closure", scenario_one_rank_closure_failure, ()),
     ("load", scenario_one_rank_load_rejection, ()),
     ("missing_grad", scenario_one_rank_missing_gradient, ()),
+    ("extra_parameter", scenario_one_rank_extra_parameter, ()),
     ("edited_lr", scenario_one_rank_edited_option, ("lr",)),
     ("edited_period", scenario_one_rank_edited_option, ("force_2d_period_one",)),
     ("moved_parameter", scenario_one_rank_regrouped, ("moved_parameter",)),
@@ -383,6 +406,20 @@ def test_a_gradient_missing_on_one_rank_fails_every_rank_with_nothing_mutated(
         assert result["elapsed"] < DEADLINE_S
         assert result["changes"] == []
         assert result["same"]  # the repaired step equals an untouched twin's, bit for bit
+
+
+def test_a_parameter_on_one_rank_only_fails_every_rank_with_the_same_words(
+    world: ScenarioWorld,
+) -> None:
+    # Rank 0 named position "#6" and rank 1 'extra.bias': each from its own labels.
+    for result in world["extra_parameter"]:
+        assert result["error"] == (
+            "GroupAgreementError: Gefen step preflight: gradient presence differs across the "
+            "process-group members (every member must present the same; nothing was changed); "
+            "the members list different parameters"
+        )
+        assert result["elapsed"] < DEADLINE_S
+        assert result["changes"] == []
 
 
 @pytest.mark.parametrize(

@@ -234,6 +234,8 @@ def scenario_differing_positions(rank: int, world_size: int) -> dict[str, Any]:
         "one_flag": differing_positions(scope, [True, rank == 0, None, True]),
         "none_against_flag": differing_positions(scope, [True, None if rank else False]),
         "longer_on_rank1": differing_positions(scope, ones + [True] * rank),
+        "named": differing_positions(scope, [True, rank == 0], ["a", "b"]),
+        "other_names": differing_positions(scope, [True, rank == 0], ["a", "b" if rank else "c"]),
         "empty_scope": differing_positions((), [rank == 0]),
     }
 
@@ -579,13 +581,16 @@ def test_any_true_over_tells_every_member(world: ScenarioWorld) -> None:
 
 
 def test_differing_positions_name_the_same_places_on_every_member(world: ScenarioWorld) -> None:
-    # What a refused presence vote reports by name: positions, agreed even across lengths.
+    # What a refused presence vote reports by name: positions, or None where the members'
+    # lengths or labels differ (a label would then name another parameter on each member).
     for result in world["differing_positions"]:
         assert result == {
             "same": [],
             "one_flag": [1],
             "none_against_flag": [1],
-            "longer_on_rank1": [4],
+            "longer_on_rank1": None,
+            "named": [1],
+            "other_names": None,
             "empty_scope": [],
         }
 

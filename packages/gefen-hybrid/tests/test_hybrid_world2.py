@@ -401,6 +401,26 @@ def scenario_backup_presence(rank: int, world_size: int, backend: str) -> dict[s
     return _rejected_step(hybrid, model, hybrid.step, recover=restore)
 
 
+def scenario_backup_presence_unnamed(rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    """The param-group-dict form (no names): the norm's weight, ``param_groups[1][0]`` of the
+    hybrid, has no gradient on rank 1."""
+    model = _model("full")
+    muon = [param for name, param in model.named_parameters() if name.startswith("hidden.")]
+    rest = [param for name, param in model.named_parameters() if not name.startswith("hidden.")]
+    rest.sort(key=lambda param: param is not model.norm.weight)  # the norm's weight first
+    groups = [{"params": muon, "use_muon": True}, {"params": rest, "use_muon": False}]
+    hybrid = _hybrid(groups, backup_optimizer=backend)
+    _assign(model, seed=1)
+    kept = model.norm.weight.grad
+    if rank == 1:
+        model.norm.weight.grad = None
+
+    def restore() -> None:
+        model.norm.weight.grad = kept
+
+    return _rejected_step(hybrid, model, hybrid.step, recover=restore)
+
+
 def scenario_reversed(rank: int, world_size: int) -> dict[str, Any]:
     from gefen.hybrid import split_params_for_muon
 
@@ -655,6 +675,8 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
     ("presence_amp", scenario_presence, (True,)),
     ("backup_presence_gefen", scenario_backup_presence, ("gefen",)),
     ("backup_presence_adamw", scenario_backup_presence, ("adamw",)),
+    ("backup_presence_unnamed_gefen", scenario_backup_presence_unnamed, ("gefen",)),
+    ("backup_presence_unnamed_adamw", scenario_backup_presence_unnamed, ("adamw",)),
     ("reversed", scenario_reversed, ()),
     ("layout_swap", scenario_layout_swap, ()),
     ("sparse", scenario_sparse, ()),
@@ -807,6 +829,20 @@ class TestGlooWorld2:
             "GefenMuonHybrid step preflight: gradient presence differs across the process-group "
             "members (every member must present the same; nothing was changed); parameters "
             "with a gradient on some members only: 'norm.weight'"
+        )
+        _agreement_error(results, message, "gradient presence")
+        _unchanged_and_trains(results)
+
+    @pytest.mark.parametrize("backend", ["gefen", "adamw"])
+    def test_an_unnamed_backup_parameter_is_named_by_the_hybrids_groups(
+        self, world: ScenarioWorld, backend: str
+    ) -> None:
+        # It named the backup's own param_groups[0][0]: the hybrid's first Muon matrix.
+        results = world[f"backup_presence_unnamed_{backend}"]
+        message = (
+            "GefenMuonHybrid step preflight: gradient presence differs across the process-group "
+            "members (every member must present the same; nothing was changed); parameters "
+            "with a gradient on some members only: param_groups[1][0]"
         )
         _agreement_error(results, message, "gradient presence")
         _unchanged_and_trains(results)

@@ -228,9 +228,9 @@ class OptimizerShell(TemplateLayout, HookedStepState, Optimizer):
         """Which parameters have a gradient, in group order (the vote agrees on it)."""
         return [param.grad is not None for group in self.param_groups for param in group["params"]]
 
-    def gradient_labels(self) -> list[str]:
-        """Each parameter's label, in ``gradient_presence`` order (names a refused vote)."""
-        return [label for label, _ in iter_parameters(self.param_groups)]
+    def gradient_labels(self, first_group: int = 0) -> list[str]:
+        """Each parameter's label in presence order, groups numbered from ``first_group``."""
+        return [label for label, _ in iter_parameters(self.param_groups, first_group)]
 
     def _validate_changed_groups(self) -> None:
         """§2.2 at the edges: a group's options are re-validated only when one of them changed."""

@@ -255,14 +255,17 @@ def _presence_named(
     optimizer: StepParticipant, op: GuardedOperation, refused: GroupAgreementError
 ) -> GroupAgreementError:
     """The vote's presence refusal with the parameters it concerns: every member got it, so
-    every member joins the collective that finds them."""
+    every member joins the collective that finds them (and raises the same words)."""
     labels = optimizer.gradient_labels()
-    positions = differing_positions(op.scope, optimizer.gradient_presence())
-    names = [labels[index] if index < len(labels) else f"#{index}" for index in positions]
+    positions = differing_positions(op.scope, optimizer.gradient_presence(), labels)
+    if positions is None:
+        which = "the members list different parameters"
+    else:
+        which = "parameters with a gradient on some members only: " + ", ".join(
+            labels[index] for index in positions
+        )
     return GroupAgreementError(
-        f"{refused}; parameters with a gradient on some members only: {', '.join(names)}",
-        owner_name=refused.owner_name,
-        what=refused.what,
+        f"{refused}; {which}", owner_name=refused.owner_name, what=refused.what
     )
 
 

@@ -51,10 +51,11 @@ def parameter_label(group: Mapping[str, Any], group_index: int, position: int) -
 
 
 def iter_parameters(
-    param_groups: Iterable[Mapping[str, Any]],
+    param_groups: Iterable[Mapping[str, Any]], first_group: int = 0
 ) -> Iterator[tuple[str, Tensor]]:
-    """Every parameter with its label, in group order and then parameter order."""
-    for group_index, group in enumerate(param_groups):
+    """Every parameter with its label, in group order and then parameter order; unnamed groups
+    numbered from ``first_group`` (a hybrid's backup follows the Muon child's groups)."""
+    for group_index, group in enumerate(param_groups, first_group):
         for position, param in enumerate(group["params"]):
             yield parameter_label(group, group_index, position), param
 

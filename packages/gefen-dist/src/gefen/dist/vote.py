@@ -99,12 +99,15 @@ def presence_words(present: Iterable[bool | None]) -> tuple[int, int]:
 
 
 @collective
-def differing_positions(scope: Sequence[Channel], present: Sequence[bool | None]) -> list[int]:
-    """The positions at which the members' presence patterns differ, on every member: what a
-    vote that found ``presence_words`` unequal reports by name. Two MAX all-reduces per
-    channel (the longest pattern's length, then each flag and its negation, padded past a
-    member's end with a value no flag takes), so members whose patterns differ in length also
-    agree on the answer. Call it on every member, as the vote itself."""
+def differing_positions(
+    scope: Sequence[Channel], present: Sequence[bool | None], labels: Sequence[str] = ()
+) -> list[int] | None:
+    """The positions at which the members' presence patterns differ, the same list on every
+    member: what a vote that found ``presence_words`` unequal reports by name. None where the
+    members' patterns differ in length or their ``labels`` (one per position) differ, since no
+    position would then name one parameter on every member. Two MAX all-reduces per channel
+    (the lengths and a digest of the labels, then each flag and its negation); call it on every
+    member, as the vote itself."""
     import torch.distributed as dist
 
     def folded(values: list[int]) -> list[int]:
@@ -114,9 +117,12 @@ def differing_positions(scope: Sequence[Channel], present: Sequence[bool | None]
             values = reduced.tolist()
         return values
 
-    width = folded([len(present)])[0]
+    named = "\0".join(labels).encode()
+    digest = int.from_bytes(hashlib.blake2b(named, digest_size=7).digest(), "big")
+    width, shorter, most, least = folded([len(present), -len(present), digest, -digest])
+    if width != -shorter or most != -least:
+        return None
     flags = [2 if flag is None else int(flag) for flag in present]
-    flags += [3] * (width - len(flags))
     both = folded([*flags, *(-flag for flag in flags)])
     return [index for index in range(width) if both[index] != -both[width + index]]
 

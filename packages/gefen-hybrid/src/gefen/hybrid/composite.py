@@ -15,7 +15,7 @@ from gefen.dist import Channel
 from gefen.hybrid.adamw_participant import ChildParticipant, PreparedChildLoad
 from gefen.muon import GefenMuon
 
-__all__ = ["HybridInterface", "child_presence_mask"]
+__all__ = ["HybridInterface", "child_presence_mask", "children_labels"]
 
 
 class HybridInterface(Protocol):
@@ -46,3 +46,14 @@ def child_presence_mask(hybrid: HybridInterface) -> int:
     """The first header's one word (docs/dist.md §9.3): bit 0 a Muon child, bit 1 a backup, so
     members that would exchange different numbers of child headers fail at this one."""
     return (1 if hybrid.muon is not None else 0) | (2 if hybrid.backup is not None else 0)
+
+
+def children_labels(hybrid: HybridInterface) -> list[str]:
+    """Each child's parameter labels in its presence order, Muon first, unnamed groups numbered
+    as the hybrid's ``param_groups`` lists them (the backup's after the Muon child's)."""
+    labels: list[str] = []
+    first = 0
+    for (_, participant), child in zip(hybrid.participants, hybrid.children, strict=True):
+        labels += participant.gradient_labels(first_group=first)
+        first += len(child.param_groups)
+    return labels

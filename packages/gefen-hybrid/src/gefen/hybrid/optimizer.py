@@ -38,7 +38,7 @@ from gefen.dist.codebook_scope import HEADER_WORD_NAMES, OP_STEP
 from gefen.dist.torch_internals import HOOK_REGISTRIES, fresh_hook_registries, state_dict_with_hooks
 from gefen.hybrid.adamw_participant import AdamWParticipant, ChildParticipant, PreparedChildLoad
 from gefen.hybrid.checkpoint import build_hybrid_state_dict, prepare_hybrid_load
-from gefen.hybrid.composite import child_presence_mask
+from gefen.hybrid.composite import child_presence_mask, children_labels
 from gefen.hybrid.construction import (
     HybridConfig,
     backup_child,
@@ -393,7 +393,7 @@ class GefenMuonHybrid(HookedStepState, torch.optim.Optimizer):
         return [flag for _, child in self._participants for flag in child.gradient_presence()]
 
     def gradient_labels(self) -> list[str]:
-        return [label for _, child in self._participants for label in child.gradient_labels()]
+        return children_labels(self)
 
     def gefen_children(self) -> tuple[OptimizerShell, ...]:
         """The children that are Gefen optimizers (they carry a codebook binding)."""

@@ -181,8 +181,8 @@ class GefenMuon(OptimizerShell):
     def gradient_presence(self) -> list[bool]:
         return uncovered_presence(self.param_groups)  # the rest is checked by name, below
 
-    def gradient_labels(self) -> list[str]:
-        return uncovered_labels(self.param_groups)
+    def gradient_labels(self, first_group: int = 0) -> list[str]:
+        return uncovered_labels(self.param_groups, first_group)
 
     # -- the state codec --------------------------------------------------------------------
 

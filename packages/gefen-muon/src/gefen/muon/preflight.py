@@ -301,13 +301,16 @@ def uncovered_presence(param_groups: Sequence[Mapping[str, Any]]) -> list[bool]:
     return [param.grad is not None for _, param in _uncovered(param_groups)]
 
 
-def uncovered_labels(param_groups: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The labels of ``uncovered_presence``'s parameters, in its order (a refusal names them)."""
-    return [label for label, _ in _uncovered(param_groups)]
+def uncovered_labels(param_groups: Sequence[Mapping[str, Any]], first_group: int = 0) -> list[str]:
+    """The labels of ``uncovered_presence``'s parameters, in its order (a refusal names them),
+    unnamed groups numbered from ``first_group``."""
+    return [label for label, _ in _uncovered(param_groups, first_group)]
 
 
-def _uncovered(param_groups: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Tensor]]:
-    for group_index, group in enumerate(param_groups):
+def _uncovered(
+    param_groups: Sequence[Mapping[str, Any]], first_group: int = 0
+) -> Iterator[tuple[str, Tensor]]:
+    for group_index, group in enumerate(param_groups, first_group):
         for position, param in enumerate(group["params"]):
             if parameter_mode(group, param) not in (EXACT, DISTRIBUTED):
                 yield parameter_label(group, group_index, position), param
