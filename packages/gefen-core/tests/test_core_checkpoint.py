@@ -56,7 +56,8 @@ def test_state_dict_weights_only_extras_mirrored_and_frozen() -> None:
     assert extras["codebook_present"] == 1
     for group in sd["param_groups"]:
         assert group["gefen"] is not extras
-        assert group["gefen"].keys() == extras.keys()
+        # the writer at the top level only: DCP would ask earlier builds' files for it
+        assert group["gefen"].keys() == extras.keys() - {"optimizer"}
         assert torch.equal(group["gefen"]["codebook"], extras["codebook"])
     assert extras["initialized_params"] == [1, 1]  # format 2: one flag per parameter
     assert extras["global_step"] == 3

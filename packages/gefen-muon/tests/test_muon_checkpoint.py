@@ -234,7 +234,7 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
     for group in sd["param_groups"]:
         copy_ = group["gefen"]
         assert copy_ is not extras
-        assert copy_.keys() == extras.keys()
+        assert copy_.keys() == extras.keys() - {"optimizer"}  # the writer: top level only
         for key, value in extras.items():
             if isinstance(value, torch.Tensor):
                 assert copy_[key] is not value
@@ -1323,10 +1323,18 @@ def test_a_checkpoint_without_the_writers_name_still_loads() -> None:
     params[0].grad = torch.randn(8, 16)
     optimizer.step()
     saved = copy.deepcopy(optimizer.state_dict())  # as an earlier build wrote it
-    for holder in (saved, *saved["param_groups"]):
-        del holder["gefen"]["optimizer"]
+    del saved["gefen"]["optimizer"]
     optimizer.load_state_dict(saved)
     assert optimizer.global_step == 1
+
+
+def test_the_writers_name_stays_out_of_the_group_copies_dcp_keeps() -> None:
+    # In the group copies it made a fresh optimizer's DCP template ask every earlier build's
+    # file for it: DCP refused them all ("Missing key ... gefen.optimizer").
+    params = [torch.nn.Parameter(torch.randn(8, 16))]
+    sd = GefenMuon(params, lr=0.02).state_dict()
+    assert sd["gefen"]["optimizer"] == "GefenMuon"
+    assert all("optimizer" not in group["gefen"] for group in sd["param_groups"])
 
 
 def test_a_subclass_with_its_own_owner_name_reads_and_writes_its_bases_files() -> None:

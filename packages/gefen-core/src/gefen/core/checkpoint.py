@@ -192,10 +192,11 @@ class _Loader:
 
     def comparable(self, first: Any, copy: Any) -> Any:
         """``first`` as the group ``copy`` must equal it: without the top-level-only keys (the
-        ``TOP_LEVEL_EXTRAS``, §8.1, and a row-sharded save's ``rank_local``, §9.1) it lacks."""
+        ``TOP_LEVEL_EXTRAS`` and the writer, §8.1, and a row-sharded save's ``rank_local``,
+        §9.1) it lacks."""
         if not isinstance(first, dict) or not isinstance(copy, dict) or EXTRAS_KEY not in self.sd:
             return first
-        optional = set(self.optimizer.TOP_LEVEL_EXTRAS)
+        optional = {*self.optimizer.TOP_LEVEL_EXTRAS, OWNER_EXTRA}
         if self.optimizer.row_sharded():
             optional.add("rank_local")
         return {key: value for key, value in first.items() if key in copy or key not in optional}

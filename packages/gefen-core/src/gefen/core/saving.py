@@ -163,7 +163,9 @@ def build_state_dict(
         packed = {key: value for key, value in group.items() if key != "params"}
         packed["params"] = group_indices
         packed[EXTRAS_KEY] = {**_extras_copy(optimizer, entries), **copy.deepcopy(agreed)}
-        for key in optimizer.TOP_LEVEL_EXTRAS:
+        # top level only: DCP neither saves nor asks for these (a template asking for the writer
+        # refused every file of an earlier build)
+        for key in (*optimizer.TOP_LEVEL_EXTRAS, OWNER_EXTRA):
             packed[EXTRAS_KEY].pop(key, None)
         if row_sharded:  # DCP keeps only these copies: a rank-independent file (§9.1)
             packed[EXTRAS_KEY].pop("rank_local", None)
