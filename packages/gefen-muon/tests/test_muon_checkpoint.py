@@ -236,6 +236,8 @@ def test_state_dict_layout(codec: str, mode: str) -> None:
         assert copy_ is not extras
         assert copy_.keys() == extras.keys() - {"optimizer"}  # the writer: top level only
         for key, value in extras.items():
+            if key == "optimizer":
+                continue
             if isinstance(value, torch.Tensor):
                 assert copy_[key] is not value
                 assert torch.equal(copy_[key], value)
