@@ -1189,3 +1189,25 @@ def test_options_of_a_child_the_hybrid_lacks_are_checked_at_construction(
     message about an option the added group never set."""
     with pytest.raises(ValueError, match=re.escape(fragment)):
         GefenMuonHybrid.from_model(model(), backup_optimizer=backend, **{**FAST, **options})
+
+
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_the_state_view_iterates_only_what_it_holds(backup: str) -> None:
+    # A group added through the child and removed again left the child an entry the hybrid
+    # does not own: iterating the view yielded it, `[]` raised, and state_dict() failed for good.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    hybrid = GefenMuonHybrid(model, backup_optimizer=backup, lr=1e-2)
+    model(torch.randn(2, 8)).square().mean().backward()
+    hybrid.step()
+    stray = nn.Parameter(torch.randn(4, 4))
+    assert hybrid.muon is not None
+    hybrid.muon.add_param_group({"params": [stray], "param_names": ["stray"]})
+    hybrid.muon.state[stray]  # an entry of the child's own
+    hybrid.muon.param_groups.pop()
+    keys = list(hybrid.state)
+    assert all(key is not stray for key in keys)
+    assert len(hybrid.state) == len(keys) == len(list(model.parameters()))
+    assert dict(hybrid.state.items()).keys() == set(model.parameters())
+    hybrid.state_dict()
+    hybrid.step()

@@ -74,11 +74,21 @@ class HybridState(Mapping[Tensor, Any]):
         del self._own()[key]
 
     def __iter__(self) -> Iterator[Tensor]:
-        for child in self._hybrid.children:
-            yield from child.state
+        """The keys ``in`` and ``[]`` take: each child's registered parameters, and the first
+        child's other keys. (A tensor a child holds an entry for without the hybrid owning it,
+        after a group added through the child and removed again, made ``state_dict()`` raise
+        a KeyError for good.)"""
+        children = self._hybrid.children
+        for child in children:
+            for key in cast(dict[Any, Any], child.state):  # user keys need not be tensors
+                if isinstance(key, Tensor):
+                    if self._hybrid.owner_of(key) is child:
+                        yield key
+                elif child is children[0]:
+                    yield key
 
     def __len__(self) -> int:
-        return sum(len(child.state) for child in self._hybrid.children)
+        return sum(1 for _ in self)
 
     def __repr__(self) -> str:
         return f"HybridState({len(self)} entries)"
