@@ -723,7 +723,10 @@ def main(argv: list[str] | None = None) -> int:
         "the means; one seed's differences under about 1%% are noise on this model",
     )
     parser.add_argument(
-        "--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: optimizers are compared one thread each)",
     )
     parser.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
     parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")

@@ -51,6 +51,7 @@ from harness import (
     state_bytes,
     timed_step,
     worker_env,
+    worker_python,
 )
 from harness_config import (
     CODEBOOK_SOLVE_SECONDS,
@@ -188,7 +189,7 @@ def run_worker(name: str, case: str, args: argparse.Namespace, scratch: pathlib.
     repeats, warmup = (min(2, args.repeats), 1) if slow else (args.repeats, args.warmup)
     out = scratch / f"{name}-{case}.json"
     command = [
-        sys.executable,
+        worker_python(name),  # Gefen-X's workers run under GEFENX_PYTHON, as compare.py's
         str(pathlib.Path(__file__).resolve()),
         *("--worker", name, "--worker-case", case, "--worker-out", str(out)),
         *("--repeats", str(repeats), "--warmup", str(warmup), "--threads", str(args.threads)),

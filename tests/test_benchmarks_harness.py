@@ -712,3 +712,24 @@ def test_bench_session_writes_the_large_model_inside_the_given_out() -> None:
     assert large(["--out", "runs/a", "--steps", "5"]) == str(pathlib.Path("runs/a") / "large")
     assert large(["--out=runs/b"]) == str(pathlib.Path("runs/b") / "large")
     assert large(["--out", "x", "--out", "y"]) == str(pathlib.Path("y") / "large")
+
+
+def test_micro_runs_gefenx_workers_under_their_own_interpreter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    # micro.py ran every worker under its own interpreter, where gefen-x never imports (it
+    # must not share a venv with our namespace); compare.py already honoured GEFENX_PYTHON.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    micro = importlib.import_module("micro")
+    monkeypatch.setenv("GEFENX_PYTHON", "/opt/gefenx/bin/python")
+    interpreters: list[str] = []
+
+    def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        interpreters.append(command[0])
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(micro.subprocess, "run", run)
+    args = micro.parse_args(["--threads", "1"])
+    for name in ("gefenx", "gefen"):
+        assert "failed" in micro.run_worker(name, "16M", args, tmp_path)
+    assert interpreters == ["/opt/gefenx/bin/python", sys.executable]
