@@ -244,9 +244,13 @@ def scenario_distributed_checkpoint(rank: int, world: int) -> dict[str, Any]:
         "elapsed": elapsed,
         "unchanged": unchanged,
         "manifest": manifest,
-        # every group copy is the top-level extras but the manifest (top level only, §8.1)
+        # every group copy is the top-level extras but the manifest and the writer (top level
+        # only, §8.1)
         "mirrored": all(
-            mt.same_entry(g["gefen"], {k: v for k, v in sd["gefen"].items() if k != MANIFEST})
+            mt.same_entry(
+                g["gefen"],
+                {k: v for k, v in sd["gefen"].items() if k not in (MANIFEST, "optimizer")},
+            )
             for g in sd["param_groups"]
         ),
         "extras_keys": sorted(sd["gefen"]),
