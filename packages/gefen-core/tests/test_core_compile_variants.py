@@ -37,6 +37,17 @@ def _grads(params: list[torch.nn.Parameter], seed: int) -> None:
         param.grad = torch.randn(param.shape, generator=generator)
 
 
+def _assert_close_to_eager(params: list[torch.nn.Parameter]) -> None:
+    """``params`` after two fused steps are the eager reference's, to fp32 kernel tolerance."""
+    reference = _model()
+    eager = Gefen(reference, lr=1e-2, momentum_codec="none", fused=False)
+    for seed in range(2):
+        _grads(reference, seed)
+        eager.step()
+    for fused, plain in zip(params, reference, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
 @torch._dynamo.config.patch(recompile_limit=1)
 def test_shape_classes_beyond_dynamos_limit_never_fail_the_commit() -> None:
     params = _model()
@@ -47,13 +58,7 @@ def test_shape_classes_beyond_dynamos_limit_never_fail_the_commit() -> None:
         optimizer.step()
         assert all(not torch.equal(old, new) for old, new in zip(before, params, strict=True))
     assert optimizer.global_step == 2
-    reference = _model()
-    eager = Gefen(reference, lr=1e-2, momentum_codec="none", fused=False)
-    for seed in range(2):
-        _grads(reference, seed)
-        eager.step()
-    for fused, plain in zip(params, reference, strict=True):
-        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    _assert_close_to_eager(params)
 
 
 def test_the_warm_up_compiles_the_graph_a_parameter_runs() -> None:
@@ -130,10 +135,4 @@ def test_a_kernel_past_its_own_graph_limit_runs_uncompiled_instead_of_failing_th
     optimizer.step()
     assert optimizer.global_step == 2
     assert not optimizer.latched
-    reference = _model()
-    eager = Gefen(reference, lr=1e-2, momentum_codec="none", fused=False)
-    for seed in range(2):
-        _grads(reference, seed)
-        eager.step()
-    for fused, plain in zip(params, reference, strict=True):
-        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    _assert_close_to_eager(params)

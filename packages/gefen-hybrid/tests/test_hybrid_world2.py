@@ -384,12 +384,8 @@ def scenario_presence(rank: int, world_size: int, amp: bool) -> dict[str, Any]:
     return _rejected_step(hybrid, model, hybrid.step)
 
 
-def scenario_backup_presence(rank: int, world_size: int, backend: str) -> dict[str, Any]:
-    """A backup gradient missing on rank 1 (a Gefen or an AdamW backup on FSDP2)."""
-    model = _model("full")
-    hybrid = _hybrid(model, backup_optimizer=backend)
-    _assign(model, seed=0)
-    hybrid.step()
+def _norm_gradient_missing_on_rank_one(hybrid: Any, model: Any, rank: int) -> dict[str, Any]:
+    """A step whose norm weight has no gradient on rank 1 (refused), then repaired."""
     _assign(model, seed=1)
     kept = model.norm.weight.grad
     if rank == 1:
@@ -399,6 +395,15 @@ def scenario_backup_presence(rank: int, world_size: int, backend: str) -> dict[s
         model.norm.weight.grad = kept
 
     return _rejected_step(hybrid, model, hybrid.step, recover=restore)
+
+
+def scenario_backup_presence(rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    """A backup gradient missing on rank 1 (a Gefen or an AdamW backup on FSDP2)."""
+    model = _model("full")
+    hybrid = _hybrid(model, backup_optimizer=backend)
+    _assign(model, seed=0)
+    hybrid.step()
+    return _norm_gradient_missing_on_rank_one(hybrid, model, rank)
 
 
 def scenario_backup_presence_unnamed(rank: int, world_size: int, backend: str) -> dict[str, Any]:
@@ -410,15 +415,7 @@ def scenario_backup_presence_unnamed(rank: int, world_size: int, backend: str) -
     rest.sort(key=lambda param: param is not model.norm.weight)  # the norm's weight first
     groups = [{"params": muon, "use_muon": True}, {"params": rest, "use_muon": False}]
     hybrid = _hybrid(groups, backup_optimizer=backend)
-    _assign(model, seed=1)
-    kept = model.norm.weight.grad
-    if rank == 1:
-        model.norm.weight.grad = None
-
-    def restore() -> None:
-        model.norm.weight.grad = kept
-
-    return _rejected_step(hybrid, model, hybrid.step, recover=restore)
+    return _norm_gradient_missing_on_rank_one(hybrid, model, rank)
 
 
 def scenario_reversed(rank: int, world_size: int) -> dict[str, Any]:
